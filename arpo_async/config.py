@@ -1,0 +1,248 @@
+"""Typed run configuration: loaded from YAML, overridden by dotted ``key=value``
+arguments, validated once.
+
+Every number that changes learning or throughput is a field here with a one-line
+description and its unit. Unknown keys and wrong types are rejected with the key's full
+dotted path (``ConfigError: learner.batch_grups: unknown key``). The launcher resolves the
+config once and writes it to ``run_dir/config.yaml``; every process reads that file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_CONFIG = CONFIG_DIR / "default.yaml"
+
+
+class ConfigError(ValueError):
+    """A config problem, stated in one line that names the key or path."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(_Section):
+    dir: str = Field("runs/default", description="run folder: config.yaml, metrics, checkpoints")
+    seed: int = Field(0, description="seed for every generator in the run")
+    quiet: bool = Field(False, description="plain log lines instead of the live progress panel")
+    time_limit_s: float = Field(0.0, description="stop the RL stage after this many seconds (0: none)")
+
+
+class ModelConfig(_Section):
+    path: str = Field("models/tiny", description="Hugging Face model folder or hub name")
+    build_if_missing: bool = Field(
+        True, description="build the local tiny model at model.path when the folder is missing"
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="dtype of learner and actor weights"
+    )
+    max_model_len: int = Field(512, description="longest prompt+response, tokens")
+    # Size of the locally built model (used only when building it).
+    tiny_hidden: int = Field(128, description="tiny model hidden size")
+    tiny_layers: int = Field(2, description="tiny model transformer layers")
+    tiny_heads: int = Field(4, description="tiny model attention heads (head_dim >= 32 for vLLM CPU)")
+    tiny_vocab: int = Field(2048, description="tiny model tokenizer vocabulary size")
+
+
+class ActorsConfig(_Section):
+    num: int = Field(2, ge=0, description="number of actor processes")
+    engine: Literal["vllm", "transformers", "simulated"] = Field(
+        "vllm", description="generation engine for each actor"
+    )
+    concurrent_groups: int = Field(4, ge=1, description="prompt groups generated at once per actor")
+    kv_cache_gib: float = Field(1.0, description="vLLM CPU KV cache, GiB (VLLM_CPU_KVCACHE_SPACE)")
+    gpu_memory_utilization: float = Field(0.85, description="vLLM GPU memory fraction (GPU only)")
+    tensor_parallel: int = Field(1, ge=1, description="vLLM tensor-parallel size (GPU only)")
+    enable_prefix_caching: bool = Field(False, description="vLLM prefix caching")
+    threads: int = Field(1, ge=1, description="CPU threads per actor engine")
+    heartbeat_s: float = Field(2.0, description="seconds between actor heartbeats")
+    max_restarts: int = Field(3, ge=0, description="restarts of a dead actor before giving up")
+    weight_poll_s: float = Field(0.2, description="seconds between checks for new weights")
+
+
+class SamplingConfig(_Section):
+    temperature: float = Field(1.0, description="sampling temperature")
+    top_p: float = Field(1.0, description="nucleus sampling mass")
+    max_new_tokens: int = Field(64, description="tokens per generation round")
+    max_response_tokens: int = Field(256, description="model + tool tokens per trajectory")
+    logprobs_topk: int = Field(20, description="top-k log-probs returned per token for entropy")
+
+
+class RolloutConfig(_Section):
+    mode: Literal["grpo", "arpo", "aepo"] = Field("arpo", description="rollout algorithm")
+    group_size: int = Field(8, ge=1, description="M: trajectories (leaves) per prompt")
+    initial_samples: int = Field(4, ge=1, description="N: initial global samples per prompt")
+    branch_factor: int = Field(1, ge=1, description="Z: forks per branching event")
+    entropy_window: int = Field(20, ge=1, description="k: tokens averaged for round entropy")
+    alpha: float = Field(0.5, description="base branch probability")
+    beta: float = Field(0.2, description="branch probability per unit entropy rise")
+    threshold_mode: bool = Field(False, description="branch deterministically when P >= 0.5")
+    tool_call_limit: int = Field(3, ge=0, description="T: tool calls per trajectory")
+    # AEPO switches
+    aepo_dynamic_budget: bool = Field(True, description="AEPO: entropy-balanced budget split")
+    aepo_budget_beta: float = Field(1.0, description="AEPO: sigmoid slope of the budget split")
+    aepo_branch_penalty: float = Field(0.05, description="AEPO: P *= 1 - penalty*l after l branches")
+
+
+class LossConfig(_Section):
+    eps_low: float = Field(0.2, description="PPO clip below 1")
+    eps_high: float = Field(0.28, description="PPO clip above 1")
+    dual_clip: float = Field(0.0, description="dual-clip constant c for A<0 (0: off; 3 typical)")
+    proximal: Literal["recompute", "bypass"] = Field(
+        "bypass", description="proximal log-probs: learner forward pass, or behaviour log-probs"
+    )
+    is_mode: Literal["truncate", "mask", "off"] = Field(
+        "truncate", description="importance weight: truncated, mask outside [lo, hi], or 1"
+    )
+    is_cap: float = Field(2.0, description="C: truncation cap of the IS weight")
+    is_mask_low: float = Field(0.5, description="mask mode: lower bound of exp(prox - mu)")
+    is_mask_high: float = Field(2.0, description="mask mode: upper bound of exp(prox - mu)")
+    kl_coef: float = Field(0.0, description="k3 KL to the reference model (0 in ARPO)")
+    entropy_coef: float = Field(0.0, description="entropy bonus (0 in ARPO)")
+    advantage: Literal["soft", "hard"] = Field("soft", description="advantage attribution")
+    aepo_entropy_clip: bool = Field(False, description="AEPO: entropy-balanced clipping")
+    aepo_entropy_adv_gamma: float = Field(0.0, description="AEPO: entropy-aware advantage gamma")
+
+
+class LearnerConfig(_Section):
+    max_steps: int = Field(20, ge=1, description="learner optimizer steps")
+    batch_groups: int = Field(2, ge=1, description="B: prompt groups per learner step")
+    sync_every: int = Field(1, ge=1, description="learner steps between weight broadcasts")
+    max_staleness: int = Field(1, ge=0, description="eta: versions an actor may lag")
+    lr: float = Field(1e-4, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, description="AdamW weight decay")
+    grad_clip: float = Field(1.0, description="gradient norm clip")
+    micro_batch_tokens: int = Field(8192, description="padded tokens per forward micro-batch")
+    zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage")
+    world_size: int = Field(1, ge=1, description="learner processes (torchrun ranks)")
+    threads: int = Field(1, ge=1, description="torch CPU threads per learner rank")
+    checkpoint_every: int = Field(0, ge=0, description="learner steps between checkpoints (0: off)")
+    wait_timeout_s: float = Field(600.0, description="fail if no trajectory arrives for this long")
+    loss: LossConfig = Field(default_factory=LossConfig)
+
+
+class TransportConfig(_Section):
+    host: str = Field("127.0.0.1", description="address the learner binds")
+    trajectory_port: int = Field(0, description="trajectory channel port (0: pick a free port)")
+    control_port: int = Field(0, description="control/weights channel port (0: pick a free port)")
+    send_hwm: int = Field(4, ge=1, description="groups queued in an actor before send blocks")
+    recv_hwm: int = Field(64, ge=1, description="groups queued at the learner socket")
+    max_message_mb: float = Field(256.0, description="largest accepted message, MiB")
+    timeout_s: float = Field(30.0, description="handshake and request timeout, seconds")
+    insecure: bool = Field(False, description="allow a non-loopback bind without CurveZMQ keys")
+
+
+class TaskConfig(_Section):
+    name: Literal["arith", "synthetic_tools", "file"] = Field(
+        "arith", description="prompt source: built-in arithmetic, synthetic tool suite, or data file"
+    )
+    data: str = Field("", description="JSONL/parquet file when task.name=file")
+    seed: int = Field(0, description="seed of the generated task")
+    num_prompts: int = Field(2000, description="prompts generated for built-in tasks")
+
+
+class ToolsConfig(_Section):
+    enabled: list[str] = Field(default_factory=list, description="tools offered: python, search")
+    cache_dir: str = Field("", description="shared tool-result cache folder ('' = run_dir/tool_cache)")
+    cache_ttl_s: float = Field(0.0, description="tool cache entry lifetime (0: forever)")
+    rate_per_s: float = Field(100.0, description="tool calls per second per actor")
+    concurrency: int = Field(16, ge=1, description="tool calls in flight per actor")
+    timeout_s: float = Field(10.0, description="wall-clock limit per tool call")
+    retries: int = Field(2, ge=0, description="retries of a transient tool error")
+    python_cpu_s: int = Field(5, description="sandbox CPU-time limit, seconds")
+    python_memory_mb: int = Field(512, description="sandbox address-space limit, MiB")
+    python_max_procs: int = Field(32, description="sandbox process limit")
+    python_max_output: int = Field(4096, description="characters of tool output kept")
+    allow_unsandboxed: bool = Field(False, description="run Python without bubblewrap (unsafe)")
+    retriever_url: str = Field("", description="retriever endpoint (POST /retrieve)")
+    search_topk: int = Field(3, description="snippets per search")
+    search_snippet_chars: int = Field(200, description="characters kept per snippet")
+
+
+class Config(_Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    actors: ActorsConfig = Field(default_factory=ActorsConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    transport: TransportConfig = Field(default_factory=TransportConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    tools: ToolsConfig = Field(default_factory=ToolsConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir)
+
+
+def _set_dotted(tree: dict, dotted: str, raw: str) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        nxt = node.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"{dotted}: {part} is not a section")
+        node = nxt
+    # YAML parsing gives ints, floats, bools and lists from the command line.
+    node[parts[-1]] = yaml.safe_load(raw) if raw != "" else ""
+
+
+def _format_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    key = ".".join(str(p) for p in first["loc"])
+    if first["type"] == "extra_forbidden":
+        return f"{key}: unknown key"
+    return f"{key}: {first['msg']} (got {first.get('input')!r})"
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load ``path`` (default: configs/default.yaml), apply ``key=value`` overrides,
+    validate. Raises ConfigError naming the key or the file."""
+    path = Path(path) if path else DEFAULT_CONFIG
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: top level must be a mapping")
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value")
+        key, raw = item.split("=", 1)
+        _set_dotted(tree, key.strip(), raw)
+    return config_from_dict(tree)
+
+
+def config_from_dict(tree: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(str(path) + ".tmp")
+    tmp.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    tmp.replace(path)
+
+
+def describe(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
+    """One line per field: dotted key, default, description (used by --help)."""
+    lines = []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            lines += describe(ann, f"{prefix}{name}.")
+        else:
+            default = field.default_factory() if field.default_factory else field.default
+            lines.append(f"  {prefix}{name} = {default!r}: {field.description}")
+    return lines

@@ -1,0 +1,320 @@
+"""Every message that crosses a process boundary, as a typed schema with a version.
+
+Wire format: frame 0 is a msgpack map ``{"p": PROTOCOL_VERSION, "kind": str,
+"body": {...}, "arrays": [[name, dtype, shape], ...]}``; frames 1..n are the raw bytes of
+the arrays, in order (numpy arrays never travel inside msgpack: a raw frame is ten times
+faster for weights). ``decode`` validates the header, every body field's type and every
+array's dtype, shape and byte size, and raises ``ProtocolError`` with a reason; it never
+trusts a length it has not checked against the frames.
+
+Fields are only ever added, with defaults, so an older peer still decodes a newer
+message. Defaults are evaluated per message (``default_factory``), never at import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+import numpy as np
+
+PROTOCOL_VERSION = 1
+DEFAULT_MAX_BYTES = 256 * 2**20
+
+_ALLOWED_DTYPES = {"int32", "int64", "uint8", "float32", "float16", "bfloat16", "int8", "bool"}
+
+
+class ProtocolError(ValueError):
+    """A message that cannot be accepted; ``reason`` is a short counter key."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+# ----------------------------------------------------------------------------- messages
+
+
+@dataclass
+class Trajectory:
+    """One leaf of a group's tree. Arrays cover the response only (everything after
+    the prompt): model tokens (mask 1) and tool-result tokens (mask 0)."""
+
+    tokens: np.ndarray  # int32 token ids
+    loss_mask: np.ndarray  # uint8, 1 = model token, 0 = tool-result token
+    logprobs: np.ndarray  # float32 behaviour log-prob (0 where mask is 0)
+    versions: np.ndarray  # int32 policy version that sampled the token (-1 where mask is 0)
+    reward: float = 0.0
+    score: float = 0.0  # correctness in [0, 1] (accuracy), separate from shaped reward
+    parent: int = -1  # index of the leaf this one forked from, -1 for a global sample
+    branch_point: int = 0  # response tokens shared with the parent
+    tool_calls: int = 0  # tool calls in this leaf (shared prefix included)
+    finish_reason: str = ""
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@dataclass
+class TrajectoryGroup:
+    """All leaves sampled for one prompt, sent as one message."""
+
+    KIND: ClassVar[str] = "group"
+    group_id: str
+    actor_id: int
+    prompt_id: str
+    prompt_tokens: np.ndarray  # int32
+    leaves: list[Trajectory]
+    mode: str = "grpo"
+    tool_calls_executed: int = 0  # calls actually run (shared prefixes not re-run)
+    created_at: float = field(default_factory=time.time)
+    sent_at: float = 0.0
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def min_version(self) -> int:
+        versions = [leaf.versions[leaf.loss_mask > 0] for leaf in self.leaves]
+        versions = [v for v in versions if v.size]
+        return int(min(v.min() for v in versions)) if versions else -1
+
+    def num_tokens(self) -> int:
+        return sum(len(leaf) for leaf in self.leaves)
+
+
+@dataclass
+class Hello:
+    KIND: ClassVar[str] = "hello"
+    actor_id: int
+    pid: int
+    host: str = ""
+    version: int = -1
+    sent_at: float = field(default_factory=time.time)
+
+
+@dataclass
+class Heartbeat:
+    KIND: ClassVar[str] = "heartbeat"
+    actor_id: int
+    version: int
+    stats: dict[str, float] = field(default_factory=dict)
+    sent_at: float = field(default_factory=time.time)
+
+
+@dataclass
+class TicketRequest:
+    """An actor asks to start ``n`` groups (admission control, staleness.py)."""
+
+    KIND: ClassVar[str] = "ticket_request"
+    actor_id: int
+    version: int
+    n: int = 1
+
+
+@dataclass
+class TicketGrant:
+    KIND: ClassVar[str] = "ticket_grant"
+    granted: int
+    learner_version: int  # version of the newest published weights
+    stop: bool = False  # the run is over: finish up and say Bye
+    reason: str = ""
+
+
+@dataclass
+class WeightsRequest:
+    KIND: ClassVar[str] = "weights_request"
+    actor_id: int
+    have_version: int
+
+
+@dataclass
+class WeightsUpdate:
+    """Full weights; ``tensors`` maps parameter name to array (raw frames)."""
+
+    KIND: ClassVar[str] = "weights"
+    version: int
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    sent_at: float = field(default_factory=time.time)
+
+
+@dataclass
+class Bye:
+    """An actor's last word: how many groups it sent in total (for exact accounting)."""
+
+    KIND: ClassVar[str] = "bye"
+    actor_id: int
+    groups_sent: int
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Ack:
+    KIND: ClassVar[str] = "ack"
+    ok: bool = True
+    reason: str = ""
+    learner_version: int = -1
+
+
+MESSAGES = {
+    cls.KIND: cls
+    for cls in (TrajectoryGroup, Hello, Heartbeat, TicketRequest, TicketGrant,
+                WeightsRequest, WeightsUpdate, Bye, Ack)
+}
+
+# ----------------------------------------------------------------------------- encoding
+
+_LEAF_ARRAYS = ("tokens", "loss_mask", "logprobs", "versions")
+_LEAF_DTYPES = {"tokens": "int32", "loss_mask": "uint8", "logprobs": "float32",
+                "versions": "int32"}
+_LEAF_SCALARS = {"reward": float, "score": float, "parent": int, "branch_point": int,
+                 "tool_calls": int, "finish_reason": str}
+
+
+def _array_bytes(arr: np.ndarray) -> memoryview:
+    return memoryview(np.ascontiguousarray(arr)).cast("B")
+
+
+def _dtype_name(arr: np.ndarray) -> str:
+    return str(arr.dtype)
+
+
+def encode(msg: Any) -> list[Any]:
+    """Message -> list of frames (bytes / buffers) for ``send_multipart(copy=False)``."""
+    kind = msg.KIND
+    arrays: list[tuple[str, np.ndarray]] = []
+    if isinstance(msg, TrajectoryGroup):
+        body = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)
+                if f.name not in ("leaves", "prompt_tokens")}
+        body["leaves"] = [{k: getattr(leaf, k) for k in _LEAF_SCALARS} | {"len": len(leaf)}
+                          for leaf in msg.leaves]
+        arrays.append(("prompt_tokens", np.asarray(msg.prompt_tokens, dtype=np.int32)))
+        for name in _LEAF_ARRAYS:
+            parts = [np.asarray(getattr(leaf, name), dtype=_LEAF_DTYPES[name])
+                     for leaf in msg.leaves]
+            arrays.append((name, np.concatenate(parts) if parts
+                           else np.zeros(0, _LEAF_DTYPES[name])))
+    elif isinstance(msg, WeightsUpdate):
+        body = {"version": msg.version, "sent_at": msg.sent_at}
+        arrays = list(msg.tensors.items())
+    else:
+        body = dataclasses.asdict(msg)
+    header = {"p": PROTOCOL_VERSION, "kind": kind, "body": body,
+              "arrays": [[n, _dtype_name(a), list(a.shape)] for n, a in arrays]}
+    return [msgpack.packb(header, use_bin_type=True)] + [_array_bytes(a) for _, a in arrays]
+
+
+def _check(cond: bool, reason: str, detail: str = "") -> None:
+    if not cond:
+        raise ProtocolError(reason, detail)
+
+
+def _decode_arrays(spec: Any, frames: list) -> list[tuple[str, np.ndarray]]:
+    _check(isinstance(spec, list), "bad_header", "arrays must be a list")
+    _check(len(spec) == len(frames), "frame_count", f"{len(spec)} arrays, {len(frames)} frames")
+    out = []
+    for item, frame in zip(spec, frames):
+        _check(isinstance(item, list) and len(item) == 3, "bad_header", "array spec")
+        name, dtype, shape = item
+        _check(isinstance(name, str) and dtype in _ALLOWED_DTYPES, "bad_dtype", f"{dtype!r}")
+        _check(isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape),
+               "bad_shape", f"{name}: {shape!r}")
+        buf = memoryview(frame).cast("B") if not isinstance(frame, bytes) else frame
+        np_dtype = np.dtype("uint16") if dtype == "bfloat16" else np.dtype(dtype)
+        count = int(np.prod(shape)) if shape else 1
+        _check(count * np_dtype.itemsize == len(buf), "bad_size",
+               f"{name}: {len(buf)} bytes for {shape} {dtype}")
+        arr = np.frombuffer(buf, dtype=np_dtype).reshape(shape)
+        out.append((name, arr))
+    return out
+
+
+def _typed(body: dict, key: str, typ: type | tuple, reason: str = "bad_field") -> Any:
+    _check(key in body, "missing_field", key)
+    val = body[key]
+    if typ is float and isinstance(val, int) and not isinstance(val, bool):
+        val = float(val)
+    ok = isinstance(val, typ) and not (typ in (int, float) and isinstance(val, bool))
+    _check(ok, reason, f"{key}: expected {getattr(typ, '__name__', typ)}, got {type(val).__name__}")
+    return val
+
+
+def _build(cls: type, body: dict) -> Any:
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in body:
+            _check(f.default is not dataclasses.MISSING
+                   or f.default_factory is not dataclasses.MISSING, "missing_field", f.name)
+            continue
+        typ = {"int": int, "float": float, "str": str, "bool": bool}.get(str(f.type), None)
+        if typ is not None:
+            kwargs[f.name] = _typed(body, f.name, typ)
+        elif str(f.type).startswith("dict"):
+            val = body[f.name]
+            _check(isinstance(val, dict) and all(isinstance(k, str) for k in val),
+                   "bad_field", f"{f.name}: expected a map with string keys")
+            kwargs[f.name] = val
+        else:
+            kwargs[f.name] = body[f.name]
+    return cls(**kwargs)
+
+
+def _decode_group(body: dict, arrays: list[tuple[str, np.ndarray]]) -> TrajectoryGroup:
+    named = dict(arrays)
+    _check(set(named) == {"prompt_tokens", *_LEAF_ARRAYS}, "bad_arrays", str(sorted(named)))
+    for name in _LEAF_ARRAYS:
+        _check(str(named[name].dtype) == _LEAF_DTYPES[name] and named[name].ndim == 1,
+               "bad_dtype", name)
+    leaves_meta = body.get("leaves")
+    _check(isinstance(leaves_meta, list), "bad_field", "leaves")
+    total = named["tokens"].shape[0]
+    _check(all(named[n].shape[0] == total for n in _LEAF_ARRAYS), "bad_size", "leaf arrays")
+    leaves, pos = [], 0
+    for i, meta in enumerate(leaves_meta):
+        _check(isinstance(meta, dict), "bad_field", f"leaves[{i}]")
+        n = _typed(meta, "len", int)
+        _check(0 <= n <= total - pos, "bad_size", f"leaves[{i}].len")
+        scalars = {k: _typed(meta, k, t) for k, t in _LEAF_SCALARS.items()}
+        _check(-1 <= scalars["parent"] < len(leaves_meta), "bad_field", f"leaves[{i}].parent")
+        leaves.append(Trajectory(**{a: named[a][pos:pos + n] for a in _LEAF_ARRAYS}, **scalars))
+        pos += n
+    _check(pos == total, "bad_size", "leaf lengths do not cover the arrays")
+    body = {k: v for k, v in body.items() if k != "leaves"}
+    group = _build(TrajectoryGroup, body | {"prompt_tokens": named["prompt_tokens"],
+                                            "leaves": leaves})
+    _check(isinstance(group.group_id, str) and isinstance(group.prompt_id, str),
+           "bad_field", "ids")
+    return group
+
+
+def decode(frames: list, max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
+    """Frames -> message object, or ProtocolError(reason)."""
+    _check(len(frames) >= 1, "empty")
+    size = sum(len(memoryview(f).cast("B")) if not isinstance(f, bytes) else len(f)
+               for f in frames)
+    _check(size <= max_bytes, "too_large", f"{size} bytes > {max_bytes}")
+    try:
+        header = msgpack.unpackb(bytes(frames[0]), raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError("not_msgpack", type(exc).__name__) from None
+    _check(isinstance(header, dict), "bad_header", "not a map")
+    _check(header.get("p") == PROTOCOL_VERSION, "bad_version", repr(header.get("p")))
+    kind = header.get("kind")
+    _check(kind in MESSAGES, "unknown_kind", repr(kind)[:40])
+    body = header.get("body")
+    _check(isinstance(body, dict), "bad_header", "body")
+    arrays = _decode_arrays(header.get("arrays", []), list(frames[1:]))
+    cls = MESSAGES[kind]
+    try:
+        if cls is TrajectoryGroup:
+            return _decode_group(body, arrays)
+        if cls is WeightsUpdate:
+            return WeightsUpdate(version=_typed(body, "version", int),
+                                 tensors=dict(arrays),
+                                 sent_at=_typed(body, "sent_at", float))
+        _check(not arrays, "bad_arrays", f"{kind} carries no arrays")
+        return _build(cls, body)
+    except ProtocolError:
+        raise
+    except (TypeError, ValueError, KeyError) as exc:
+        raise ProtocolError("bad_field", str(exc)[:80]) from None
