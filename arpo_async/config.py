@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "default.yaml"
@@ -32,6 +32,9 @@ class RunConfig(_Section):
     seed: int = Field(0, description="seed for every generator in the run")
     quiet: bool = Field(False, description="plain log lines instead of the live progress panel")
     time_limit_s: float = Field(0.0, description="stop the RL stage after this many seconds (0: none)")
+    probe_logprobs: bool = Field(
+        False, description="log actor and learner log-probs of a fixed sequence per weight version"
+    )
 
 
 class ModelConfig(_Section):
@@ -118,7 +121,7 @@ class LearnerConfig(_Section):
     lr: float = Field(1e-4, description="AdamW learning rate")
     weight_decay: float = Field(0.0, description="AdamW weight decay")
     grad_clip: float = Field(1.0, description="gradient norm clip")
-    micro_batch_tokens: int = Field(8192, description="padded tokens per forward micro-batch")
+    micro_batches: int = Field(1, ge=1, description="forward/backward micro-batches per step per rank")
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage")
     world_size: int = Field(1, ge=1, description="learner processes (torchrun ranks)")
     threads: int = Field(1, ge=1, description="torch CPU threads per learner rank")
@@ -180,6 +183,16 @@ class Config(_Section):
     def run_dir(self) -> Path:
         return Path(self.run.dir)
 
+    @model_validator(mode="after")
+    def _consistent(self) -> "Config":
+        ln, ro = self.learner, self.rollout
+        if ln.max_staleness < ln.sync_every - 1:
+            raise ValueError("learner.max_staleness must be >= learner.sync_every - 1 "
+                             "(actors hold weights up to sync_every - 1 versions old)")
+        if ro.initial_samples > ro.group_size:
+            raise ValueError("rollout.initial_samples must be <= rollout.group_size")
+        return self
+
 
 def _set_dotted(tree: dict, dotted: str, raw: str) -> None:
     parts = dotted.split(".")
@@ -196,6 +209,8 @@ def _set_dotted(tree: dict, dotted: str, raw: str) -> None:
 def _format_error(err: ValidationError) -> str:
     first = err.errors()[0]
     key = ".".join(str(p) for p in first["loc"])
+    if not key:  # a cross-field rule: its message names the keys
+        return first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
         return f"{key}: unknown key"
     return f"{key}: {first['msg']} (got {first.get('input')!r})"

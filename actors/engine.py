@@ -1,0 +1,171 @@
+"""The generation-engine interface every actor talks to, and the factory that picks one.
+
+Engines are wired by config (``actors.engine``): vLLM (default; the async engine, so many
+rollouts share one batch), transformers (machines without vLLM), or a simulated engine
+(throughput experiments). Token in, token out: a request is a list of token ids and the
+result is the sampled ids with their behaviour log-probs, so nothing is re-tokenised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from arpo_async.config import Config
+
+
+@dataclass
+class GenRequest:
+    prompt_tokens: list[int]  # full context so far: prompt + response tokens
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_token_ids: list[int] = field(default_factory=list)  # e.g. id of "</python>"
+    stop: list[str] = field(default_factory=list)  # stop strings for multi-token tags
+    logprobs_topk: int = 20  # top-k log-probs per generated token, for entropy
+    seed: int | None = None
+
+
+@dataclass
+class GenResult:
+    tokens: list[int]  # sampled ids, including the stop token/tag that ended the round
+    logprobs: list[float]  # behaviour log-prob of each sampled token
+    top_logprobs: list[list[float]]  # per token, the top-k log-probs, descending
+    finish_reason: str  # "stop" (stop token/string or EOS), "length", or "abort"
+    stop_reason: str | int | None = None  # the stop string or token id that matched
+    version: int = -1  # policy version of the weights that generated every token
+
+
+class GenerationEngine(Protocol):
+    """What an actor needs from an inference engine."""
+
+    version: int  # policy version of the weights now loaded
+
+    async def generate(self, req: GenRequest) -> GenResult:
+        """Sample one continuation. Weight updates never happen during one call."""
+
+    async def update_weights(self, tensors: dict[str, np.ndarray], version: int) -> float:
+        """Load full weights in place (no engine restart) at a safe point: waits for the
+        calls in flight, blocks new ones meanwhile. Returns seconds generation paused."""
+
+    async def sequence_logprobs(self, prompt_tokens: list[int], tokens: list[int]) -> list[float]:
+        """Log-probs of ``tokens`` following ``prompt_tokens`` under the loaded weights
+        (used to check that actor and learner agree after a broadcast)."""
+
+    async def close(self) -> None: ...
+
+
+class WeightGate:
+    """The safe point for a weight update, shared by every engine.
+
+    ``generate``/``sequence_logprobs`` run inside ``async with gate.call()``; an update
+    runs inside ``async with gate.exclusive()``, which first holds new calls, then waits
+    until the calls in flight have finished. Calls issued while an update waits or runs
+    start after it, so they see the new weights and version. Updates are serialised.
+    """
+
+    def __init__(self) -> None:
+        import asyncio
+
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._open = asyncio.Event()
+        self._open.set()
+        self._update_lock = asyncio.Lock()
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @contextlib.asynccontextmanager
+    async def call(self):
+        # Re-check after every wake-up: another update may have closed the gate again.
+        while not self._open.is_set():
+            await self._open.wait()
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self):
+        """Yields the seconds spent waiting for the calls in flight to drain."""
+        async with self._update_lock:
+            self._open.clear()
+            try:
+                t0 = time.perf_counter()
+                await self._idle.wait()
+                yield time.perf_counter() - t0
+            finally:
+                self._open.set()
+
+
+def torch_state_dict(tensors: Mapping[str, Any], dtype: Any, bf16_names: Iterable[str] = ()) -> dict:
+    """Weights as they arrive (numpy arrays keyed by HF state_dict names, or torch
+    tensors) -> contiguous torch tensors of ``dtype``. numpy has no bfloat16: a uint16
+    array is the raw bits of a bfloat16 tensor (no model weight is uint16), whether or
+    not its name is in ``bf16_names``."""
+    import torch
+
+    bf16 = set(bf16_names)
+    out = {}
+    for name, arr in tensors.items():
+        if isinstance(arr, torch.Tensor):
+            t = arr.detach().cpu()
+        elif isinstance(arr, np.ndarray):
+            t = torch.from_numpy(np.ascontiguousarray(arr))
+            if arr.dtype == np.uint16 or name in bf16:
+                if arr.dtype not in (np.uint16, np.int16):
+                    raise ValueError(f"weights[{name!r}]: listed as bfloat16 but dtype is {arr.dtype}")
+                t = t.view(torch.bfloat16)
+        else:
+            raise TypeError(f"weights[{name!r}]: expected a numpy array or torch tensor, "
+                            f"got {type(arr).__name__}")
+        if not t.is_floating_point():
+            raise ValueError(f"weights[{name!r}]: dtype {t.dtype} is not a floating-point weight")
+        out[name] = t.to(dtype).contiguous()
+    return out
+
+
+async def build_engine(
+    cfg: Config, model_path: str, actor_id: int = 0, version: int = 0
+) -> GenerationEngine:
+    """The engine ``cfg.actors.engine`` names, for actor ``actor_id``, loaded from
+    ``model_path`` (already resolved by ``tiny_model.ensure_model``). Its sampling seed
+    is ``run.seed + actor_id`` so actors draw different samples."""
+    seed = cfg.run.seed + actor_id
+    kind = cfg.actors.engine
+    if kind == "vllm":
+        from actors.vllm_engine import VLLMEngine, cpu_bind_for
+
+        return await VLLMEngine.create(
+            model_path, dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
+            kv_cache_gib=cfg.actors.kv_cache_gib, seed=seed,
+            max_logprobs=max(20, cfg.sampling.logprobs_topk), enforce_eager=True,
+            cpu_threads=cfg.actors.threads,
+            cpu_bind=cpu_bind_for(actor_id, cfg.actors.threads),
+            gpu_memory_utilization=cfg.actors.gpu_memory_utilization,
+            tensor_parallel=cfg.actors.tensor_parallel,
+            enable_prefix_caching=cfg.actors.enable_prefix_caching, version=version,
+        )
+    if kind == "transformers":
+        from actors.hf_engine import HFEngine
+
+        return await HFEngine.create(
+            model_path, dtype=cfg.model.dtype, seed=seed, threads=cfg.actors.threads,
+            version=version, max_model_len=cfg.model.max_model_len,
+        )
+    if kind == "simulated":
+        raise NotImplementedError("simulated engine: issue 6")
+    raise ValueError(f"actors.engine: unknown engine {kind!r}")

@@ -1,0 +1,82 @@
+"""Metrics: one JSON object per learner step in ``metrics.jsonl`` (appended, flushed, so a
+resumed run continues the same file), mirrored to TensorBoard; plus the fixed probe
+sequence that actors and learner both score to check they hold the same weights."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    out: dict[str, float] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out |= flatten(v, key + "/")
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[key] = float(v)
+    return out
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", buffering=1)
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+            except Exception:  # tensorboard is optional at run time
+                self._tb = None
+
+    def write(self, record: dict[str, Any]) -> None:
+        record = {"time": time.time(), **record}
+        self._file.write(json.dumps(record, default=_json_default) + "\n")
+        if self._tb is not None and "step" in record:
+            for k, v in flatten(record).items():
+                if k not in ("step", "time") and math.isfinite(v):
+                    self._tb.add_scalar(k, v, int(record["step"]))
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _json_default(obj: Any) -> Any:
+    if hasattr(obj, "item"):
+        return obj.item()
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    return str(obj)
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written right now
+            continue
+    return rows
+
+
+def probe_sequence(vocab_size: int, length: int = 24) -> tuple[list[int], list[int]]:
+    """A fixed (prompt, continuation) pair of token ids inside any vocabulary."""
+    ids = [(7 + 31 * i) % max(vocab_size - 1, 1) + 1 for i in range(length)]
+    return ids[: length // 2], ids[length // 2:]
+
+
+def append_jsonl(path: str | Path, record: dict[str, Any]) -> None:
+    with Path(path).open("a") as f:
+        f.write(json.dumps(record, default=_json_default) + "\n")

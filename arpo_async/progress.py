@@ -1,0 +1,83 @@
+"""Live progress for the launcher: a rich panel (or, in quiet mode, a plain line every few
+seconds) built from the tail of ``metrics.jsonl``."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from arpo_async.metrics import read_metrics
+
+
+class Progress:
+    def __init__(self, cfg, every_s: float = 5.0):
+        self.cfg = cfg
+        self.t0 = time.time()
+        self.every_s = every_s
+        self.last_print = 0.0
+        self.notes: list[str] = []
+        self.live = None
+        if not cfg.run.quiet and sys.stdout.isatty():
+            from rich.live import Live
+
+            self.live = Live(self._render(None), refresh_per_second=2, transient=False)
+            self.live.start()
+
+    def note(self, text: str) -> None:
+        self.notes = (self.notes + [text])[-3:]
+        if self.live is None:
+            print(f"[launch] {text}", flush=True)
+
+    def _fields(self, row: dict | None) -> dict[str, str]:
+        total = self.cfg.learner.max_steps
+        elapsed = time.time() - self.t0
+        if not row:
+            return {"step": f"0/{total}", "elapsed": f"{elapsed:.0f}s", "status": "starting"}
+        step = row["step"]
+        eta = (row["wall_time"] / step) * (total - step) if step else float("nan")
+        svc = row.get("service", {})
+        actor_tps = [v for k, v in svc.items() if k.endswith("/tokens_per_s")]
+        tool_hits = [v for k, v in svc.items() if k.endswith("tools/cache_hits")]
+        tool_miss = [v for k, v in svc.items() if k.endswith("tools/cache_misses")]
+        lookups = sum(tool_hits) + sum(tool_miss)
+        return {
+            "step": f"{step}/{total}", "version": str(row["policy_version"]),
+            "reward": f"{row['reward_mean']:+.3f}", "accuracy": f"{row.get('score_mean', 0):.3f}",
+            "tokens/s per actor": " ".join(f"{v:.0f}" for v in actor_tps) or "-",
+            "staleness max": str(row["staleness_max"]), "dropped stale": str(row["dropped_stale"]),
+            "actors alive": str(row["actors_alive"]), "learner wait": f"{row['wait_s']:.2f}s",
+            "tool calls": str(row.get("tool_calls", 0)),
+            "tool cache hit": f"{sum(tool_hits) / lookups:.0%}" if lookups else "-",
+            "elapsed": f"{elapsed:.0f}s", "ETA": f"{eta:.0f}s",
+        }
+
+    def _render(self, row: dict | None):
+        from rich.table import Table
+
+        table = Table(title="arpo_async", show_header=False, expand=False)
+        for k, v in self._fields(row).items():
+            table.add_row(k, v)
+        for n in self.notes:
+            table.add_row("note", n)
+        return table
+
+    def update(self) -> None:
+        rows = read_metrics(self.cfg.run.dir)
+        row = rows[-1] if rows else None
+        if self.live is not None:
+            self.live.update(self._render(row))
+        elif time.time() - self.last_print >= self.every_s:
+            self.last_print = time.time()
+            print("[launch] " + "  ".join(f"{k}={v}" for k, v in self._fields(row).items()),
+                  flush=True)
+
+    def close(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+            self.live = None
+
+    def final(self, summary: dict) -> None:
+        keys = ("status", "steps", "policy_version", "wall_time_s", "step_time_s_mean",
+                "broadcast_time_s_mean", "reward_mean_last")
+        print("summary: " + ", ".join(f"{k}={summary.get(k)}" for k in keys), flush=True)
+        print(f"run folder: {self.cfg.run.dir}", flush=True)

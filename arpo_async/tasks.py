@@ -1,0 +1,108 @@
+"""Prompt sources for actors: the built-in arithmetic task, data files, and (issue 5) the
+synthetic tool suite. A source yields ``Prompt``s (question, gold answers, chat-templated
+token ids) from a seeded generator and scores a finished response.
+
+The arithmetic task ("What is 3 + 4?") is the smallest verifiable task: the reward is
+exact match of the final number (the ``\\boxed{}`` content when present, else the last
+number in the text), never a constant.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+ARITH_SYSTEM = "Answer with the final number in \\boxed{}."
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+@dataclass
+class Prompt:
+    id: str
+    question: str
+    answers: list[str]
+    kind: str  # "math" | "qa" | "arith"
+    tokens: list[int] = field(default_factory=list)
+    system_prompt: str | None = None
+    meta: dict = field(default_factory=dict)
+
+
+def _last_boxed(text: str) -> str | None:
+    i = text.rfind("\\boxed{")
+    if i < 0:
+        return None
+    depth, j = 1, i + len("\\boxed{")
+    for k in range(j, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[k], 0)
+        if depth == 0:
+            return text[j:k]
+    return None
+
+
+def arith_score(response: str, answers: list[str]) -> float:
+    """1.0 when the final number equals the gold answer, else 0.0."""
+    boxed = _last_boxed(response)
+    found = _NUMBER.findall(boxed if boxed is not None else response)
+    return 1.0 if found and found[-1] in answers else 0.0
+
+
+class PromptSource:
+    """Yields prompts forever (cycling through a shuffled order) and scores responses."""
+
+    def __init__(self, cfg, tokenizer, stream: int = 0):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.rng = np.random.default_rng([cfg.task.seed, cfg.run.seed, stream])
+        self.items = self._load()
+        self.order = self.rng.permutation(len(self.items))
+        self.pos = 0
+
+    def _load(self) -> list[Prompt]:
+        task = self.cfg.task
+        if task.name == "arith":
+            gen = np.random.default_rng(task.seed)
+            a = gen.integers(0, 10, task.num_prompts)
+            b = gen.integers(0, 10, task.num_prompts)
+            return [Prompt(f"arith-{i}", f"What is {x} + {y}?", [str(x + y)], "arith",
+                           system_prompt=ARITH_SYSTEM) for i, (x, y) in enumerate(zip(a, b))]
+        if task.name == "file":
+            from toolenv.data import load_examples
+
+            return [Prompt(e.id, e.question, list(e.answers), e.kind,
+                           system_prompt=e.system_prompt, meta=e.meta)
+                    for e in load_examples(task.data)]
+        raise ValueError(f"task.name: {task.name!r} is not available yet")
+
+    def encode(self, prompt: Prompt) -> Prompt:
+        messages = ([{"role": "system", "content": prompt.system_prompt}]
+                    if prompt.system_prompt else [])
+        messages.append({"role": "user", "content": prompt.question})
+        ids = self.tokenizer.apply_chat_template(messages, tokenize=True,
+                                                 add_generation_prompt=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        prompt.tokens = [int(t) for t in ids]
+        return prompt
+
+    def next(self) -> Prompt:
+        if self.pos == len(self.order):
+            self.order, self.pos = self.rng.permutation(len(self.items)), 0
+        prompt = self.items[int(self.order[self.pos])]
+        self.pos += 1
+        return self.encode(prompt) if not prompt.tokens else prompt
+
+    def score(self, response: str, prompt: Prompt, tools_used: set[str] | None = None
+              ) -> tuple[float, float]:
+        """(reward, correctness) of one response."""
+        if prompt.kind == "arith":
+            s = arith_score(response, prompt.answers)
+            return s, s
+        from toolenv.data import Example
+        from toolenv.rewards import score_response
+
+        ex = Example(prompt.id, prompt.question, prompt.answers, prompt.kind)
+        result = score_response(response, ex)
+        return result.reward, result.correct

