@@ -48,7 +48,8 @@ async def run_actor(cfg, actor_id: int) -> None:
     keys = client_keys_for(cfg)
     sender = TrajectorySender(f"tcp://{t.host}:{t.trajectory_port}", hwm=t.send_hwm,
                               timeout_s=t.timeout_s, curve=keys)
-    control = ControlClient(f"tcp://{t.host}:{t.control_port}", timeout_s=t.timeout_s, curve=keys)
+    control = ControlClient(f"tcp://{t.host}:{t.control_port}", timeout_s=t.timeout_s, curve=keys,
+                            max_bytes=int(t.max_message_mb * 2**20))
     actor = Actor(cfg, actor_id, engine, rollout, source, sender, control,
                   vocab_size=len(tokenizer), tools=tools)
     try:

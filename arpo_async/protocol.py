@@ -14,6 +14,7 @@ message. Defaults are evaluated per message (``default_factory``), never at impo
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -24,7 +25,9 @@ import numpy as np
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_BYTES = 256 * 2**20
 
-_ALLOWED_DTYPES = {"int32", "int64", "uint8", "float32", "float16", "bfloat16", "int8", "bool"}
+_ALLOWED_DTYPES = {"int32", "int64", "uint8", "uint16", "float32", "float16", "bfloat16", "int8",
+                   "bool"}
+_MAX_NDIM = 32  # numpy's own limit is 64; no tensor here has more than a handful
 
 
 class ProtocolError(ValueError):
@@ -130,12 +133,19 @@ class WeightsRequest:
 
 @dataclass
 class WeightsUpdate:
-    """Full weights; ``tensors`` maps parameter name to array (raw frames)."""
+    """Full weights; ``tensors`` maps parameter name to array (raw frames).
+
+    numpy has no bfloat16, so a bfloat16 tensor travels as its raw bits in a uint16 array
+    (``torch_tensor.view(torch.uint16).numpy()``) and its name is listed in
+    ``bf16_names``; the receiver gets the same uint16 array and the same list back and
+    restores it with ``torch.from_numpy(arr).view(torch.bfloat16)``.
+    """
 
     KIND: ClassVar[str] = "weights"
     version: int
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
     sent_at: float = field(default_factory=time.time)
+    bf16_names: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -172,11 +182,31 @@ _LEAF_SCALARS = {"reward": float, "score": float, "parent": int, "branch_point":
 
 
 def _array_bytes(arr: np.ndarray) -> memoryview:
-    return memoryview(np.ascontiguousarray(arr)).cast("B")
+    # flat uint8 view: memoryview.cast refuses shapes with a zero in them, e.g. (0, 3)
+    return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
 
 
-def _dtype_name(arr: np.ndarray) -> str:
-    return str(arr.dtype)
+def _wire_array(name: str, arr: np.ndarray, bf16: bool) -> tuple[str, np.ndarray]:
+    """(wire dtype name, array whose bytes are sent); rejects what ``decode`` would."""
+    dtype = str(arr.dtype)
+    if dtype == "bfloat16":  # an ml_dtypes array: send its bits
+        return "bfloat16", arr.view(np.uint16)
+    if bf16:
+        if dtype not in ("uint16", "int16"):
+            raise ProtocolError("bad_dtype", f"{name}: listed in bf16_names but is {dtype}, "
+                                "expected the uint16 view of a bfloat16 tensor")
+        return "bfloat16", arr.view(np.uint16)
+    if dtype not in _ALLOWED_DTYPES:
+        raise ProtocolError("bad_dtype", f"{name}: {dtype} cannot be sent "
+                            f"(allowed: {sorted(_ALLOWED_DTYPES)})")
+    return dtype, arr
+
+
+def _plain(obj: Any) -> Any:
+    """msgpack fallback: numpy scalars (np.float32 rewards, np.int64 ids) become Python's."""
+    if isinstance(obj, np.generic):
+        return obj.item()
+    raise TypeError(f"cannot encode {type(obj).__name__} in a message body")
 
 
 def encode(msg: Any) -> list[Any]:
@@ -195,13 +225,19 @@ def encode(msg: Any) -> list[Any]:
             arrays.append((name, np.concatenate(parts) if parts
                            else np.zeros(0, _LEAF_DTYPES[name])))
     elif isinstance(msg, WeightsUpdate):
+        missing = set(msg.bf16_names) - set(msg.tensors)
+        if missing:
+            raise ProtocolError("bad_arrays", f"bf16_names not in tensors: {sorted(missing)[:5]}")
         body = {"version": msg.version, "sent_at": msg.sent_at}
-        arrays = list(msg.tensors.items())
+        arrays = [(n, np.asarray(a)) for n, a in msg.tensors.items()]
     else:
         body = dataclasses.asdict(msg)
+    bf16 = set(msg.bf16_names) if isinstance(msg, WeightsUpdate) else set()
+    wire = [(n, *_wire_array(n, a, n in bf16)) for n, a in arrays]
     header = {"p": PROTOCOL_VERSION, "kind": kind, "body": body,
-              "arrays": [[n, _dtype_name(a), list(a.shape)] for n, a in arrays]}
-    return [msgpack.packb(header, use_bin_type=True)] + [_array_bytes(a) for _, a in arrays]
+              "arrays": [[n, dtype, list(a.shape)] for n, dtype, a in wire]}
+    return ([msgpack.packb(header, use_bin_type=True, default=_plain)]
+            + [_array_bytes(a) for _, _, a in wire])
 
 
 def _check(cond: bool, reason: str, detail: str = "") -> None:
@@ -212,19 +248,27 @@ def _check(cond: bool, reason: str, detail: str = "") -> None:
 def _decode_arrays(spec: Any, frames: list) -> list[tuple[str, np.ndarray]]:
     _check(isinstance(spec, list), "bad_header", "arrays must be a list")
     _check(len(spec) == len(frames), "frame_count", f"{len(spec)} arrays, {len(frames)} frames")
-    out = []
+    out, seen = [], set()
     for item, frame in zip(spec, frames):
         _check(isinstance(item, list) and len(item) == 3, "bad_header", "array spec")
         name, dtype, shape = item
-        _check(isinstance(name, str) and dtype in _ALLOWED_DTYPES, "bad_dtype", f"{dtype!r}")
-        _check(isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape),
-               "bad_shape", f"{name}: {shape!r}")
+        _check(isinstance(name, str), "bad_header", "array name")
+        _check(name not in seen, "bad_arrays", f"duplicate array {name[:40]!r}")
+        seen.add(name)
+        _check(isinstance(dtype, str) and dtype in _ALLOWED_DTYPES, "bad_dtype",
+               f"{name}: {dtype!r}"[:80])
+        _check(isinstance(shape, list) and len(shape) <= _MAX_NDIM
+               and all(type(s) is int and s >= 0 for s in shape),
+               "bad_shape", f"{name}: {shape!r}"[:80])
         buf = memoryview(frame).cast("B") if not isinstance(frame, bytes) else frame
         np_dtype = np.dtype("uint16") if dtype == "bfloat16" else np.dtype(dtype)
-        count = int(np.prod(shape)) if shape else 1
+        count = math.prod(shape)  # exact: np.prod wraps around on lying shapes
         _check(count * np_dtype.itemsize == len(buf), "bad_size",
-               f"{name}: {len(buf)} bytes for {shape} {dtype}")
-        arr = np.frombuffer(buf, dtype=np_dtype).reshape(shape)
+               f"{name}: {len(buf)} bytes for {shape} {dtype}"[:120])
+        try:
+            arr = np.frombuffer(buf, dtype=np_dtype).reshape(shape)
+        except ValueError as exc:  # e.g. a zero-size array with a dimension numpy rejects
+            raise ProtocolError("bad_shape", f"{name}: {exc}"[:80]) from None
         out.append((name, arr))
     return out
 
@@ -249,11 +293,11 @@ def _build(cls: type, body: dict) -> Any:
         typ = {"int": int, "float": float, "str": str, "bool": bool}.get(str(f.type), None)
         if typ is not None:
             kwargs[f.name] = _typed(body, f.name, typ)
-        elif str(f.type).startswith("dict"):
+        elif str(f.type) == "dict[str, float]":
             val = body[f.name]
             _check(isinstance(val, dict) and all(isinstance(k, str) for k in val),
                    "bad_field", f"{f.name}: expected a map with string keys")
-            kwargs[f.name] = val
+            kwargs[f.name] = {k: _typed(val, k, float) for k in val}
         else:
             kwargs[f.name] = body[f.name]
     return cls(**kwargs)
@@ -262,9 +306,8 @@ def _build(cls: type, body: dict) -> Any:
 def _decode_group(body: dict, arrays: list[tuple[str, np.ndarray]]) -> TrajectoryGroup:
     named = dict(arrays)
     _check(set(named) == {"prompt_tokens", *_LEAF_ARRAYS}, "bad_arrays", str(sorted(named)))
-    for name in _LEAF_ARRAYS:
-        _check(str(named[name].dtype) == _LEAF_DTYPES[name] and named[name].ndim == 1,
-               "bad_dtype", name)
+    for name, dtype in _LEAF_DTYPES.items() | {("prompt_tokens", "int32")}:
+        _check(str(named[name].dtype) == dtype and named[name].ndim == 1, "bad_dtype", name)
     leaves_meta = body.get("leaves")
     _check(isinstance(leaves_meta, list), "bad_field", "leaves")
     total = named["tokens"].shape[0]
@@ -287,6 +330,12 @@ def _decode_group(body: dict, arrays: list[tuple[str, np.ndarray]]) -> Trajector
     return group
 
 
+def _decode_weights(body: dict, spec: list, arrays: list) -> WeightsUpdate:
+    bf16 = [name for name, dtype, _ in spec if dtype == "bfloat16"]
+    return WeightsUpdate(version=_typed(body, "version", int), tensors=dict(arrays),
+                         sent_at=_typed(body, "sent_at", float), bf16_names=bf16)
+
+
 def decode(frames: list, max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
     """Frames -> message object, or ProtocolError(reason)."""
     _check(len(frames) >= 1, "empty")
@@ -295,12 +344,14 @@ def decode(frames: list, max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
     _check(size <= max_bytes, "too_large", f"{size} bytes > {max_bytes}")
     try:
         header = msgpack.unpackb(bytes(frames[0]), raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated types
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:  # ExtraData, OutOfData...
         raise ProtocolError("not_msgpack", type(exc).__name__) from None
     _check(isinstance(header, dict), "bad_header", "not a map")
-    _check(header.get("p") == PROTOCOL_VERSION, "bad_version", repr(header.get("p")))
+    version = header.get("p")  # type first: True and 1.0 both compare equal to 1
+    _check(type(version) is int and version == PROTOCOL_VERSION, "bad_version",
+           repr(version)[:40])
     kind = header.get("kind")
-    _check(kind in MESSAGES, "unknown_kind", repr(kind)[:40])
+    _check(isinstance(kind, str) and kind in MESSAGES, "unknown_kind", repr(kind)[:40])
     body = header.get("body")
     _check(isinstance(body, dict), "bad_header", "body")
     arrays = _decode_arrays(header.get("arrays", []), list(frames[1:]))
@@ -309,9 +360,7 @@ def decode(frames: list, max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
         if cls is TrajectoryGroup:
             return _decode_group(body, arrays)
         if cls is WeightsUpdate:
-            return WeightsUpdate(version=_typed(body, "version", int),
-                                 tensors=dict(arrays),
-                                 sent_at=_typed(body, "sent_at", float))
+            return _decode_weights(body, header.get("arrays", []), arrays)
         _check(not arrays, "bad_arrays", f"{kind} carries no arrays")
         return _build(cls, body)
     except ProtocolError:

@@ -54,6 +54,7 @@ def _broadcast(obj, rank: int, world: int):
 def run(cfg) -> dict:
     import torch
 
+    from arpo_async.keys import server_keys_for
     from arpo_async.metrics import MetricsWriter, append_jsonl, probe_sequence
     from learner.batching import balanced_split, samples_from_groups
     from learner.service import LearnerService
@@ -65,7 +66,7 @@ def run(cfg) -> dict:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     run_dir = Path(cfg.run.dir)
     trainer = PolicyTrainer(cfg, cfg.model.path)
-    service = LearnerService(cfg) if rank == 0 else None
+    service = LearnerService(cfg, keys=server_keys_for(cfg)) if rank == 0 else None
     writer = MetricsWriter(run_dir) if rank == 0 else None
     probe = probe_sequence(trainer.engine.module.config.vocab_size)
     t_start = time.time()
@@ -74,7 +75,8 @@ def run(cfg) -> dict:
         t0 = time.perf_counter()
         state = trainer.full_state()
         if service is not None:
-            service.publish(version, state)
+            bf16 = list(state) if cfg.model.dtype == "bfloat16" else []
+            service.publish(version, state, bf16_names=bf16)
         if cfg.run.probe_logprobs:
             lp = trainer.sequence_logprobs(*probe)
             if rank == 0:

@@ -133,8 +133,9 @@ class LearnerService:
                 self._ledger(g.actor_id).trained += 1
             self.version += 1
 
-    def publish(self, version: int, tensors) -> None:
-        self.control.publish_weights(version, tensors)
+    def publish(self, version: int, tensors, bf16_names=()) -> None:
+        # the trainer hands over fresh copies, so the transport need not copy again
+        self.control.publish_weights(version, tensors, bf16_names=bf16_names, copy=False)
         with self.lock:
             self.published = version
 
