@@ -1,0 +1,129 @@
+"""Command line for the tool environment.
+
+    python -m toolenv serve-retriever --corpus FILE.jsonl --port P [--host H] [--delay-ms D]
+    python -m toolenv cache stats DIR
+    python -m toolenv cache clear DIR
+    python -m toolenv call python 'print(6*7)'
+    python -m toolenv call search 'query' [--retriever URL]
+
+Heavy modules (bm25s, aiohttp, the sandbox) are imported inside each command, so
+``--help`` answers at once. ``call`` exits 1 when the tool reports an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+RETRIEVER_ENV = "ARPO_RETRIEVER_URL"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m toolenv", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve-retriever", help="BM25 retriever over a JSONL corpus (POST /retrieve)")
+    s.add_argument("--corpus", required=True, help='JSONL: {"id","contents"} or {"title","text"}')
+    s.add_argument("--port", type=int, default=8000, help="port (0: pick a free one)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind")
+    s.add_argument("--delay-ms", type=float, default=0.0, help="added latency per request, ms")
+    s.add_argument("--ready-file", default="", help="write the URL here once serving")
+    s.add_argument("--exit-with-parent", action="store_true",
+                   help="stop when the starting process exits (used by RetrieverProcess)")
+
+    c = sub.add_parser("cache", help="inspect or empty a tool-result cache")
+    c.add_argument("action", choices=["stats", "clear"])
+    c.add_argument("dir", help="cache folder")
+
+    t = sub.add_parser("call", help="run one tool call and print its result")
+    t.add_argument("tool", choices=["python", "search", "websearch"])
+    t.add_argument("args", help="code for python, a query for search")
+    t.add_argument("--retriever", default=os.environ.get(RETRIEVER_ENV, ""),
+                   help=f"retriever URL for search (default: ${RETRIEVER_ENV})")
+    t.add_argument("--topk", type=int, default=3, help="snippets per search")
+    t.add_argument("--snippet-chars", type=int, default=200, help="characters per snippet")
+    t.add_argument("--endpoint", default="", help="SERP endpoint for websearch")
+    t.add_argument("--api-key-env", default="SERPER_API_KEY", help="env var holding the SERP key")
+    t.add_argument("--unsandboxed", action="store_true",
+                   help="run python without bubblewrap (unsafe; only where bwrap is missing)")
+    return p
+
+
+def _build_tool(a: argparse.Namespace):
+    if a.tool == "python":
+        from toolenv.python_tool import PythonTool
+
+        return PythonTool(allow_unsandboxed=a.unsandboxed)
+    if a.tool == "search":
+        if not a.retriever:
+            raise SystemExit(f"call search: pass --retriever URL or set ${RETRIEVER_ENV}")
+        from toolenv.search import SearchTool
+
+        return SearchTool(a.retriever, topk=a.topk, snippet_chars=a.snippet_chars)
+    from toolenv.websearch import SERPER_ENDPOINT, WebSearchTool
+
+    return WebSearchTool(a.endpoint or SERPER_ENDPOINT, topk=a.topk,
+                         snippet_chars=a.snippet_chars, api_key_env=a.api_key_env)
+
+
+def _call(a: argparse.Namespace) -> int:
+    import asyncio
+
+    try:
+        # Built outside the loop: the Python tool probes its sandbox synchronously.
+        tool = _build_tool(a)
+    except (ValueError, RuntimeError) as exc:  # bad arguments, a missing key, no sandbox
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    async def run():
+        try:
+            return await tool.call(a.args)
+        finally:
+            await tool.close()
+
+    res = asyncio.run(run())
+    if not res.ok:
+        print(res.text or res.error, file=sys.stderr)
+        return 1
+    print(res.text)
+    return 0
+
+
+def _cache(a: argparse.Namespace) -> int:
+    from toolenv.cache import cache_clear, cache_stats
+
+    try:
+        if a.action == "stats":
+            print(json.dumps(cache_stats(a.dir), indent=2, sort_keys=True))
+        else:
+            print(f"removed {cache_clear(a.dir)} entries from {a.dir}")
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    if a.command == "serve-retriever":
+        import logging
+
+        from toolenv.retriever_server import CorpusError, serve
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+        try:
+            serve(a.corpus, a.host, a.port, a.delay_ms, a.ready_file, a.exit_with_parent)
+        except CorpusError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        return 0
+    if a.command == "cache":
+        return _cache(a)
+    return _call(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
