@@ -146,6 +146,9 @@ class TaskConfig(_Section):
         "arith", description="prompt source: built-in arithmetic, synthetic tool suite, or data file"
     )
     data: str = Field("", description="JSONL/parquet file when task.name=file")
+    on_bad_row: Literal["raise", "skip"] = Field(
+        "raise", description="a data row without question or answer: stop, or log and skip it"
+    )
     seed: int = Field(0, description="seed of the generated task")
     num_prompts: int = Field(2000, description="prompts generated for built-in tasks")
 

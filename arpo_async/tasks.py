@@ -73,7 +73,7 @@ class PromptSource:
 
             return [Prompt(e.id, e.question, list(e.answers), e.kind,
                            system_prompt=e.system_prompt, meta=e.meta)
-                    for e in load_examples(task.data)]
+                    for e in load_examples(task.data, on_bad_row=task.on_bad_row)]
         raise ValueError(f"task.name: {task.name!r} is not available yet")
 
     def encode(self, prompt: Prompt) -> Prompt:
@@ -94,8 +94,7 @@ class PromptSource:
         self.pos += 1
         return self.encode(prompt) if not prompt.tokens else prompt
 
-    def score(self, response: str, prompt: Prompt, tools_used: set[str] | None = None
-              ) -> tuple[float, float]:
+    def score(self, response: str, prompt: Prompt) -> tuple[float, float]:
         """(reward, correctness) of one response."""
         if prompt.kind == "arith":
             s = arith_score(response, prompt.answers)

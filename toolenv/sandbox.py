@@ -1,0 +1,325 @@
+"""Run a command in a bubblewrap sandbox with rlimits, a wall-clock timeout and capped output.
+
+What the sandboxed command sees: the host's root file system read-only; fresh, size-capped
+tmpfs at /tmp (its writable scratch folder and cwd) and /dev/shm; private /proc and /dev;
+the project, home and other hidden folders replaced by empty read-only tmpfs, with only
+the paths in ``expose`` (the interpreter and its packages) bound back read-only; no
+network (its own network namespace has only a loopback); its own pid namespace, so when
+the command's main process exits or bwrap is killed, every process it started dies too.
+
+Isolation modes, picked by the caller after probing (see ``python_tool``):
+
+- ``setuid`` (host runs as root): bwrap keeps real root to set up mounts, drops every
+  capability except setuid/setgid, and the command starts through ``setpriv`` as an
+  unused uid from ``UidPool``. Why not bwrap's ``--uid``: as root it maps the sandbox
+  user onto host uid 0, which keeps owner access to root's files and is exempt from
+  RLIMIT_NPROC, so a fork bomb would not be contained. Each call holds its own uid, so
+  RLIMIT_NPROC counts exactly that call's processes.
+- ``userns`` (any user): unprivileged bwrap in a new user namespace (launched as uid
+  65534 when the host is root). RLIMIT_NPROC is counted per user namespace.
+- ``none``: no bwrap (``allow_unsandboxed``): only rlimits, its own session and a temp cwd.
+
+Limits are set inside the sandbox by ``prlimit`` (CPU seconds, address space, processes,
+file size, no core dumps). The wall-clock timeout always fires: bwrap starts in its own
+session and the whole group gets SIGKILL; ``--die-with-parent`` and the pid namespace take
+everything inside down with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import logging
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+MODES = ("setuid", "userns", "none")
+NOBODY = 65534
+# Above systemd's container uid ranges (up to 1879048191): no real account uses these.
+UID_POOL_BASE = 2_000_000_000
+UID_POOL_SIZE = 4096
+_READ_CHUNK = 65536
+_REAP_TIMEOUT_S = 5.0
+# Model-written code runs below the priority of the actors and learner that call it.
+_NICE = 10
+_HIDDEN_TMPFS_BYTES = 1 << 20
+_BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+@dataclass(frozen=True)
+class Limits:
+    cpu_s: int
+    memory_bytes: int
+    max_procs: int
+    file_bytes: int  # largest file the command may write (RLIMIT_FSIZE)
+
+
+@dataclass
+class SandboxRun:
+    output: bytes  # stdout and stderr interleaved, at most max_bytes + one read chunk
+    returncode: int | None  # None after a timeout; negative signal number when killed
+    timed_out: bool
+    truncated: bool  # output passed the cap, so the command was killed early
+    wall_s: float
+
+
+class UidPool:
+    """Hands out uids that no other sandbox on this host holds, with flock'd lock files.
+
+    A lock is released when its file descriptor closes, also when the holder dies. The
+    lowest free uid is taken, so the lock folder holds as many files as the peak number
+    of sandboxes at once; reusing a uid at once is safe because nothing outlives a run.
+    """
+
+    def __init__(self, base: int = UID_POOL_BASE, size: int = UID_POOL_SIZE,
+                 lock_dir: str | Path | None = None):
+        self.base, self.size = base, size
+        self.lock_dir = Path(lock_dir or Path(tempfile.gettempdir()) / "arpo_sandbox_uids")
+        self.lock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+    def acquire(self) -> tuple[int, int]:
+        """(uid, lock fd); pass the fd to ``release`` once every process of the uid is gone."""
+        for index in range(self.size):
+            fd = os.open(self.lock_dir / f"{index}.lock", os.O_CREAT | os.O_RDWR, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            return self.base + index, fd
+        raise RuntimeError(f"sandbox uid pool exhausted: {self.size} uids in use ({self.lock_dir})")
+
+    @staticmethod
+    def release(fd: int) -> None:
+        os.close(fd)
+
+
+def default_hidden(extra: Sequence[str | Path] = ()) -> list[str]:
+    """Folders a sandbox must not see: homes, the project, run-time sockets, mounts, and
+    ``extra`` (e.g. the run folder). Missing folders and "/" are skipped."""
+    repo = Path(__file__).resolve().parents[1]
+    candidates = ["/root", "/home", "/work", "/run", "/srv", "/mnt", "/media",
+                  str(Path.home()), str(repo), *map(str, extra)]
+    found: list[str] = []
+    for path in candidates:
+        real = os.path.realpath(path)
+        if os.path.isdir(real) and real != "/" and real not in found:
+            found.append(real)
+    # A folder inside another hidden one is already hidden.
+    return [p for p in found if not any(p.startswith(q + "/") for q in found if q != p)]
+
+
+@dataclass
+class Sandbox:
+    mode: str
+    limits: Limits
+    expose: Sequence[str] = ()  # read-only paths bound back inside hidden folders
+    hide: Sequence[str] = field(default_factory=default_hidden)
+    scratch_bytes: int = 64 << 20  # size of the /tmp scratch tmpfs (and /dev/shm's)
+    env: dict[str, str] = field(default_factory=dict)
+    uid_pool: UidPool | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"sandbox mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode == "setuid" and self.uid_pool is None:
+            self.uid_pool = UidPool()
+
+    # ------------------------------------------------------------------ command lines
+
+    def argv(self, command: Sequence[str], uid: int | None) -> list[str]:
+        """The full command line for one run (``uid``: the pool uid in setuid mode)."""
+        if self.mode == "none":
+            return list(command)  # limits and priority come from preexec_fn
+        inner = [*self._prlimit(), "nice", "-n", str(_NICE)]
+        if self.mode == "setuid":
+            inner += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
+                      "--no-new-privs", "--"]
+            head = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
+                    "--unshare-cgroup-try", "--cap-drop", "ALL",
+                    "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+        else:
+            head = ["--unshare-all", "--unshare-user", "--disable-userns",
+                    "--uid", str(NOBODY), "--gid", str(NOBODY)]
+        inner += list(command)
+        return ["bwrap", "--die-with-parent", "--new-session", *head, *self._mounts(),
+                "--clearenv", *self._setenv(), "--", *inner]
+
+    def _prlimit(self) -> list[str]:
+        lim = self.limits
+        return ["prlimit", f"--cpu={lim.cpu_s}:{lim.cpu_s + 1}", f"--as={lim.memory_bytes}",
+                f"--nproc={lim.max_procs}", f"--fsize={lim.file_bytes}", "--core=0", "--"]
+
+    def _mounts(self) -> list[str]:
+        args = ["--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev",
+                "--size", str(self.scratch_bytes), "--perms", "1777", "--tmpfs", "/dev/shm"]
+        for path in self.hide:
+            args += ["--size", str(_HIDDEN_TMPFS_BYTES), "--perms", "0755", "--tmpfs", path]
+        for path in self.expose:
+            outer = next((h for h in self.hide if path.startswith(h + "/")), None)
+            if outer is None:
+                continue  # visible anyway through the read-only root
+            # bwrap creates missing parents 0700; the dropped uid must be able to pass.
+            parts = Path(path).relative_to(outer).parts[:-1]
+            for i in range(len(parts)):
+                args += ["--perms", "0755", "--dir", str(Path(outer, *parts[: i + 1]))]
+            args += ["--ro-bind", path, path]
+        for path in self.hide:
+            args += ["--remount-ro", path]
+        args += ["--size", str(self.scratch_bytes), "--perms", "1777", "--tmpfs", "/tmp",
+                 "--chdir", "/tmp"]
+        return args
+
+    def _setenv(self) -> list[str]:
+        env = {"PATH": _BASE_PATH, "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
+               **self.env}
+        return [arg for key, value in env.items() for arg in ("--setenv", key, value)]
+
+    def _host_env(self) -> dict[str, str]:
+        if self.mode != "none":  # bwrap --clearenv sets the inside's environment
+            return {"PATH": os.environ.get("PATH", _BASE_PATH)}
+        return {"PATH": _BASE_PATH, "HOME": "/tmp", "LANG": "C.UTF-8", **self.env}
+
+    def _spawn_kwargs(self) -> dict:
+        if self.mode == "userns" and os.geteuid() == 0:
+            return {"user": NOBODY, "group": NOBODY, "extra_groups": []}
+        if self.mode == "none":
+            return {"preexec_fn": self._set_rlimits}
+        return {}
+
+    def _set_rlimits(self) -> None:
+        lim = self.limits
+        for which, value in ((resource.RLIMIT_CPU, (lim.cpu_s, lim.cpu_s + 1)),
+                             (resource.RLIMIT_AS, (lim.memory_bytes,) * 2),
+                             (resource.RLIMIT_NPROC, (lim.max_procs,) * 2),
+                             (resource.RLIMIT_FSIZE, (lim.file_bytes,) * 2),
+                             (resource.RLIMIT_CORE, (0, 0))):
+            resource.setrlimit(which, value)
+        os.nice(_NICE)
+
+    # ------------------------------------------------------------------ running
+
+    @contextmanager
+    def _lease(self) -> Iterator[tuple[int | None, str | None]]:
+        """A pool uid (setuid mode) or a scratch folder (no sandbox) for one run."""
+        uid, lock_fd = self.uid_pool.acquire() if self.mode == "setuid" else (None, None)
+        workdir = tempfile.mkdtemp(prefix="arpo_py_") if self.mode == "none" else None
+        try:
+            yield uid, workdir
+        finally:
+            if lock_fd is not None:
+                UidPool.release(lock_fd)  # the pid namespace is gone: no process keeps uid
+            if workdir is not None:
+                shutil.rmtree(workdir, ignore_errors=True)
+
+    async def run(self, command: Sequence[str], stdin: bytes, timeout_s: float,
+                  max_bytes: int) -> SandboxRun:
+        """Run once; never raises for what the command does (only for failing to start)."""
+        with self._lease() as (uid, workdir):
+            return await run_capped(self.argv(command, uid), stdin, timeout_s, max_bytes,
+                                    env=self._host_env(), cwd=workdir, **self._spawn_kwargs())
+
+    def run_sync(self, command: Sequence[str], stdin: bytes = b"",
+                 timeout_s: float = 30.0) -> SandboxRun:
+        """A blocking run for start-up probes; works with or without a running event loop."""
+        start = time.monotonic()
+        with self._lease() as (uid, workdir):
+            try:
+                done = subprocess.run(self.argv(command, uid), check=False, input=stdin,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      timeout=timeout_s, start_new_session=True,
+                                      env=self._host_env(), cwd=workdir, **self._spawn_kwargs())
+            except subprocess.TimeoutExpired as exc:  # bwrap was killed: so is its namespace
+                return SandboxRun(exc.output or b"", None, True, False, time.monotonic() - start)
+        return SandboxRun(done.stdout, done.returncode, False, False, time.monotonic() - start)
+
+
+def _kill_group(proc: asyncio.subprocess.Process) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if proc.returncode is None:
+        try:
+            proc.kill()
+        except ProcessLookupError:
+            pass
+
+
+async def run_capped(argv: Sequence[str], stdin: bytes, timeout_s: float, max_bytes: int,
+                     **spawn) -> SandboxRun:
+    """Start ``argv`` in a new session, feed ``stdin``, keep at most ``max_bytes`` of output.
+
+    Killed with its whole process group on timeout, on passing the cap, and when the
+    awaiting task is cancelled (``asyncio.wait_for`` around this always cleans up).
+    """
+    start = time.monotonic()
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        start_new_session=True, **spawn)
+    chunks: list[bytes] = []
+    state = {"size": 0, "truncated": False, "done": False}
+
+    async def pump() -> int:
+        try:
+            proc.stdin.write(stdin)
+            await proc.stdin.drain()
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # exited before reading its input: its output says why
+        finally:
+            proc.stdin.close()
+        while chunk := await proc.stdout.read(_READ_CHUNK):
+            if state["truncated"]:
+                continue  # killed: read on to EOF, discarding, so the pipe can close
+            chunks.append(chunk)
+            state["size"] += len(chunk)
+            if state["size"] > max_bytes:
+                state["truncated"] = True
+                _kill_group(proc)
+        returncode = await proc.wait()
+        state["done"] = True
+        return returncode
+
+    timed_out, returncode = False, None
+    try:
+        returncode = await asyncio.wait_for(pump(), timeout_s)
+    except asyncio.TimeoutError:
+        timed_out = True
+    finally:
+        if not state["done"]:  # timed out, or the caller was cancelled
+            _kill_group(proc)
+            await asyncio.shield(_reap(proc))
+    return SandboxRun(b"".join(chunks), returncode, timed_out, state["truncated"],
+                      time.monotonic() - start)
+
+
+async def _reap(proc: asyncio.subprocess.Process) -> None:
+    """After a kill: read the output pipe to EOF, then collect the exit status.
+
+    asyncio's ``wait()`` returns only once the pipes are closed; in a sandbox every other
+    holder of the pipe died with the pid namespace, so EOF comes at once.
+    """
+
+    async def drain_and_wait() -> None:
+        while await proc.stdout.read(_READ_CHUNK):
+            pass
+        await proc.wait()
+
+    try:
+        await asyncio.wait_for(drain_and_wait(), _REAP_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        # Only without a sandbox can an escaped process keep the pipe open this long.
+        log.warning("process %d: output pipe still open %.0f s after SIGKILL; abandoning it",
+                    proc.pid, _REAP_TIMEOUT_S)
+        proc._transport.close()  # no public API closes a subprocess's pipes
