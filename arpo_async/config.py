@@ -85,7 +85,8 @@ class RolloutConfig(_Section):
     entropy_window: int = Field(20, ge=1, description="k: tokens averaged for round entropy")
     alpha: float = Field(0.5, description="base branch probability")
     beta: float = Field(0.2, description="branch probability per unit entropy rise")
-    threshold_mode: bool = Field(False, description="branch deterministically when P >= 0.5")
+    threshold_mode: bool = Field(False, description="branch deterministically when P >= threshold")
+    branch_threshold: float = Field(0.5, description="tau of threshold mode")
     tool_call_limit: int = Field(3, ge=0, description="T: tool calls per trajectory")
     # AEPO switches
     aepo_dynamic_budget: bool = Field(True, description="AEPO: entropy-balanced budget split")

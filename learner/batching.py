@@ -36,8 +36,9 @@ def samples_from_groups(groups: list[TrajectoryGroup], mode: str) -> tuple[list[
     """Attribute advantages within each group (soft or hard) and flatten to leaves."""
     samples: list[LeafSample] = []
     for group in groups:
-        per_leaf, _ = token_advantages(group.leaves, np.array([l.reward for l in group.leaves]), mode)
-        for leaf, (adv, owner) in zip(group.leaves, per_leaf):
+        rewards = np.array([leaf.reward for leaf in group.leaves])
+        advs, owners, _ = token_advantages(group.leaves, rewards, mode)
+        for leaf, adv, owner in zip(group.leaves, advs, owners):
             samples.append(LeafSample(
                 prompt=np.asarray(group.prompt_tokens, dtype=np.int32),
                 response=np.asarray(leaf.tokens, dtype=np.int32),
@@ -46,11 +47,12 @@ def samples_from_groups(groups: list[TrajectoryGroup], mode: str) -> tuple[list[
                 advantages=np.asarray(adv, dtype=np.float32),
                 versions=np.asarray(leaf.versions, dtype=np.int32),
             ))
-    rewards = np.array([l.reward for g in groups for l in g.leaves], dtype=np.float64)
+    leaves = [leaf for g in groups for leaf in g.leaves]
+    rewards = np.array([leaf.reward for leaf in leaves], dtype=np.float64)
     metrics = {
-        "reward_mean": float(rewards.mean()) if rewards.size else 0.0,
-        "reward_std": float(rewards.std()) if rewards.size else 0.0,
-        "score_mean": float(np.mean([l.score for g in groups for l in g.leaves])) if rewards.size else 0.0,
+        "reward_mean": float(rewards.mean()) if leaves else 0.0,
+        "reward_std": float(rewards.std()) if leaves else 0.0,
+        "score_mean": float(np.mean([leaf.score for leaf in leaves])) if leaves else 0.0,
         "leaves": len(samples),
         "model_tokens": float(sum(s.weight.sum() for s in samples)),
     }

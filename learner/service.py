@@ -155,7 +155,7 @@ class LearnerService:
             return {"dropped_stale": dropped.get("stale", 0), "dropped": dict(dropped),
                     "rejected": dict(self.receiver.rejected) | {
                         f"control/{k}": v for k, v in self.control.rejected.items()},
-                    "admission": self.admission.stats(), "staleness": self.filter.stats(),
+                    "admission": self.admission.counters(), "staleness": self.filter.stats(),
                     **stats}
 
     def shutdown(self, wait_s: float) -> dict:

@@ -1,0 +1,82 @@
+"""The pure modules import with the heavy packages blocked (STYLE.md rule 1).
+
+Each check runs in a fresh interpreter with a sys.meta_path finder, installed before
+anything else is imported, that raises ImportError for the blocked packages."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Only stdlib, numpy and torch allowed: block the serving/training/transport stacks and
+# every other heavy third-party package a pure module might slip in.
+PURE = ["actors.entropy", "actors.branching", "learner.advantages", "learner.losses",
+        "arpo_async.staleness", "toolenv.tags"]
+PURE_BLOCKED = ["vllm", "deepspeed", "zmq", "transformers", "msgpack", "pydantic", "yaml",
+                "aiohttp", "diskcache", "safetensors"]
+# protocol may use msgpack (its wire format) but never the transport or engines.
+LIGHT = ["arpo_async.protocol"]
+LIGHT_BLOCKED = ["vllm", "deepspeed", "zmq"]
+
+_SCRIPT = r"""
+import importlib, importlib.abc, json, sys
+BLOCKED = set(json.loads(sys.argv[1]))
+
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"blocked import of {name}")
+        return None
+
+sys.meta_path.insert(0, Block())
+results = {}
+for mod in json.loads(sys.argv[2]):
+    try:
+        importlib.import_module(mod)
+        results[mod] = "ok"
+    except Exception as exc:
+        results[mod] = f"{type(exc).__name__}: {exc}"
+leaked = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
+print(json.dumps({"results": results, "leaked": leaked}))
+"""
+
+
+def _run(modules: list[str], blocked: list[str]) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, json.dumps(blocked), json.dumps(modules)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _present(modules: list[str]) -> list[str]:
+    return [m for m in modules if (ROOT / (m.replace(".", "/") + ".py")).is_file()]
+
+
+def test_pure_modules_import_without_heavy_packages():
+    present = _present(PURE)
+    missing = sorted(set(PURE) - set(present))
+    out = _run(present, PURE_BLOCKED)
+    failed = {m: r for m, r in out["results"].items() if r != "ok"}
+    assert not failed, failed
+    assert not out["leaked"], out["leaked"]
+    if missing:  # checked as soon as they exist; say so rather than pass silently
+        pytest.skip(f"not written yet, not checked: {missing}")
+
+
+def test_protocol_imports_without_transport_or_engines():
+    out = _run(LIGHT, LIGHT_BLOCKED)
+    assert out["results"] == {m: "ok" for m in LIGHT}, out["results"]
+    assert not out["leaked"], out["leaked"]
+
+
+def test_the_blocker_really_blocks():
+    out = _run(["zmq", "actors.entropy"], ["zmq"])
+    assert out["results"]["zmq"].startswith("ImportError: blocked")
+    assert out["results"]["actors.entropy"] == "ok"
