@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -82,7 +83,13 @@ class WeightGate:
 
     @property
     def in_flight(self) -> int:
+        """Calls now running."""
         return self._in_flight
+
+    @property
+    def closed(self) -> bool:
+        """True while an update holds new calls back."""
+        return not self._open.is_set()
 
     @contextlib.asynccontextmanager
     async def call(self):
@@ -111,6 +118,24 @@ class WeightGate:
                 self._open.set()
 
 
+def check_weight_names(names: Iterable[str], expected: Mapping[str, tuple] | None,
+                       optional: Iterable[str] = ()) -> None:
+    """Full weights only: every expected name present with its shape, nothing unknown
+    (checked before anything is loaded, so a bad update never half-applies)."""
+    if expected is None:
+        return
+    names = dict(names) if isinstance(names, Mapping) else {n: None for n in names}
+    unexpected = sorted(set(names) - set(expected))
+    missing = sorted(set(expected) - set(names) - set(optional))
+    if unexpected or missing:
+        raise ValueError(f"weights do not match the model: unexpected {unexpected[:5]}, "
+                         f"missing {missing[:5]}")
+    for name, shape in names.items():
+        if shape is not None and tuple(shape) != tuple(expected[name]):
+            raise ValueError(f"weights[{name!r}]: shape {tuple(shape)}, model has "
+                             f"{tuple(expected[name])}")
+
+
 def torch_state_dict(tensors: Mapping[str, Any], dtype: Any, bf16_names: Iterable[str] = ()) -> dict:
     """Weights as they arrive (numpy arrays keyed by HF state_dict names, or torch
     tensors) -> contiguous torch tensors of ``dtype``. numpy has no bfloat16: a uint16
@@ -124,7 +149,11 @@ def torch_state_dict(tensors: Mapping[str, Any], dtype: Any, bf16_names: Iterabl
         if isinstance(arr, torch.Tensor):
             t = arr.detach().cpu()
         elif isinstance(arr, np.ndarray):
-            t = torch.from_numpy(np.ascontiguousarray(arr))
+            with warnings.catch_warnings():
+                # Arrays decoded from ZeroMQ frames are read-only views; they are only
+                # read (copied into the engine), never written through.
+                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                t = torch.from_numpy(np.ascontiguousarray(arr))
             if arr.dtype == np.uint16 or name in bf16:
                 if arr.dtype not in (np.uint16, np.int16):
                     raise ValueError(f"weights[{name!r}]: listed as bfloat16 but dtype is {arr.dtype}")
