@@ -107,9 +107,22 @@ class Actor:
             out |= {f"tools/{k}": v for k, v in self.tools.stats().items()}
         return out
 
+    async def _connect(self) -> None:
+        """Handshake, retried while the learner starts (DeepSpeed start-up takes a while)."""
+        deadline = time.monotonic() + self.cfg.transport.connect_timeout_s
+        hello = P.Hello(self.actor_id, os.getpid(), socket.gethostname(), self.engine.version)
+        while True:
+            try:
+                await self.control.hello(hello)
+                return
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    raise
+                log.info("actor %d: waiting for the learner at %s", self.actor_id,
+                         self.control.endpoint)
+
     async def run(self) -> None:
-        await self.control.hello(P.Hello(self.actor_id, os.getpid(), socket.gethostname(),
-                                         self.engine.version))
+        await self._connect()
         await self.sync_weights()
         poller = asyncio.create_task(self._weights_loop())
         try:

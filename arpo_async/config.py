@@ -138,7 +138,10 @@ class TransportConfig(_Section):
     send_hwm: int = Field(4, ge=1, description="groups queued in an actor before send blocks")
     recv_hwm: int = Field(64, ge=1, description="groups queued at the learner socket")
     max_message_mb: float = Field(256.0, description="largest accepted message, MiB")
-    timeout_s: float = Field(30.0, description="handshake and request timeout, seconds")
+    timeout_s: float = Field(30.0, description="request timeout, seconds")
+    connect_timeout_s: float = Field(
+        900.0, description="how long an actor waits for the learner to come up, seconds"
+    )
     insecure: bool = Field(False, description="allow a non-loopback bind without CurveZMQ keys")
 
 

@@ -122,6 +122,9 @@ def launch(args) -> int:
         return 0
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, config_path)
+    from arpo_async.dsops import prebuild_deepspeed_ops
+
+    prebuild_deepspeed_ops()
     from arpo_async.progress import Progress
 
     progress = Progress(cfg)
@@ -160,7 +163,8 @@ def _watch(cfg: Config, roles: list[Role], progress, run_dir: Path) -> tuple[str
             learner_done_at = time.time()
         for a in actors:
             ac = a.proc.poll()
-            if ac is None or learner_done_at is not None:
+            # exit code 0: the learner told the actor to stop; nothing to restart
+            if ac is None or ac == 0 or learner_done_at is not None:
                 continue
             a.history.append({"event": "exit", "code": ac, "time": time.time()})
             if a.restarts >= cfg.actors.max_restarts:

@@ -65,6 +65,8 @@ def run(cfg) -> dict:
     _init_distributed()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     run_dir = Path(cfg.run.dir)
+    log.info("rank %d/%d: building the DeepSpeed engine (ZeRO-%d)", rank, world,
+             cfg.learner.zero_stage)
     trainer = PolicyTrainer(cfg, cfg.model.path)
     service = LearnerService(cfg, keys=server_keys_for(cfg)) if rank == 0 else None
     writer = MetricsWriter(run_dir) if rank == 0 else None
@@ -84,6 +86,9 @@ def run(cfg) -> dict:
         return time.perf_counter() - t0
 
     publish(0)
+    if rank == 0:
+        log.info("learner ready: trajectories on %s, control on %s", service.receiver.endpoint,
+                 service.control.endpoint)
     time_up = (lambda: cfg.run.time_limit_s > 0 and time.time() - t_start > cfg.run.time_limit_s)
     step, broadcast_s = 0, 0.0
     while step < cfg.learner.max_steps:

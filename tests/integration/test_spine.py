@@ -91,22 +91,22 @@ def test_two_vllm_actors_one_learner(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     sent: list = []
     t = _send_garbage_when_up(run_dir, 3, sent)
-    res = _launch(run_dir, tiny_model_dir, "actors.num=2", "learner.max_steps=4",
+    res = _launch(run_dir, tiny_model_dir, "actors.num=2", "learner.max_steps=5",
                   "learner.sync_every=2", "learner.batch_groups=2", "rollout.group_size=4",
                   "run.probe_logprobs=true", "actors.max_restarts=0")
     t.join(5)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    _check_run(run_dir, 4, [2, 4], garbage=len(sent))
+    _check_run(run_dir, 5, [2, 4], garbage=len(sent))
     assert (run_dir / "config.yaml").exists() and (run_dir / "processes.json").exists()
 
 
 def test_zero3_two_learner_ranks(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
-    res = _launch(run_dir, tiny_model_dir, "actors.num=2", "learner.max_steps=4",
+    res = _launch(run_dir, tiny_model_dir, "actors.num=2", "learner.max_steps=5",
                   "learner.sync_every=2", "learner.zero_stage=3", "learner.world_size=2",
                   "run.probe_logprobs=true", "actors.max_restarts=0")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    _check_run(run_dir, 4, [2, 4], garbage=0)
+    _check_run(run_dir, 5, [2, 4], garbage=0)
 
 
 @pytest.mark.parametrize("override, needle", [

@@ -1,0 +1,193 @@
+"""Tool-interleaved rollout of one prompt group: GRPO, ARPO and AEPO sampling.
+
+Every trajectory of the group runs as its own asyncio task, so one slow tool call never
+stalls the others, and all rounds of all groups share the engine's batch. A round ends at
+a closing tool tag, ``</answer>``, end of sequence or the length limit. After a tool
+call the result is appended as token ids (loss mask 0, never sampled, never
+re-tokenising what came before), and the next round's window entropy goes to the
+group's ``BranchPlanner``; a fork copies every token up to and including the tool
+result (so the call is not run again) and resamples the round from there.
+
+Entropy comes from the engine's top-k log-probs with the tail-corrected estimate
+(``actors.entropy``), normalised by log V.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from actors.branching import BranchPlanner, BranchSettings, aepo_global_samples
+from actors.engine import GenerationEngine, GenRequest
+from actors.entropy import entropy_from_topk, window_entropy
+from actors.rollout import new_group_id
+from arpo_async.protocol import Trajectory, TrajectoryGroup
+from arpo_async.tasks import Prompt, PromptSource
+from toolenv.tags import STOP_TAGS, find_tool_call, format_result
+
+
+@dataclass
+class _Path:
+    """A live trajectory: response tokens so far and what the planner needs."""
+
+    tid: int
+    tokens: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    tool_calls: int = 0
+    branch_point: int = 0  # tokens shared with the parent
+    decide: bool = False  # the next round follows a tool result this path ran itself
+    snapshot: int = 0  # length at the end of the last tool result (where forks start)
+    rounds: int = 0
+    finish_reason: str = ""
+
+    def fork(self, tid: int) -> _Path:
+        """A fork shares everything up to and including the last tool result."""
+        n = self.snapshot
+        return _Path(tid, self.tokens[:n], self.mask[:n], self.logprobs[:n], self.versions[:n],
+                     self.tool_calls, branch_point=n, rounds=self.rounds - 1)
+
+
+class AgentRollout:
+    def __init__(self, cfg, engine: GenerationEngine, source: PromptSource, tokenizer,
+                 tools, rng: np.random.Generator):
+        self.cfg, self.engine, self.source, self.tokenizer = cfg, engine, source, tokenizer
+        self.tools, self.rng = tools, rng
+        self.settings = BranchSettings.from_config(cfg.rollout)
+        self.vocab = len(tokenizer)
+        self.stop_ids, self.stop_strings = [], []
+        for tag in STOP_TAGS:
+            ids = tokenizer.encode(tag, add_special_tokens=False)
+            if len(ids) == 1:
+                self.stop_ids.append(ids[0])
+            else:
+                self.stop_strings.append(tag)
+        if tokenizer.eos_token_id is not None:
+            self.stop_ids.append(tokenizer.eos_token_id)
+
+    # ------------------------------------------------------------------ one round
+    async def _round(self, prompt: Prompt, path: _Path) -> tuple[str, float, str]:
+        s = self.cfg.sampling
+        budget = s.max_response_tokens - len(path.tokens)
+        res = await self.engine.generate(GenRequest(
+            prompt_tokens=prompt.tokens + path.tokens, max_tokens=min(s.max_new_tokens, budget),
+            temperature=s.temperature, top_p=s.top_p, stop_token_ids=self.stop_ids,
+            stop=self.stop_strings, logprobs_topk=s.logprobs_topk,
+            seed=int(self.rng.integers(2**31))))
+        path.tokens += res.tokens
+        path.mask += [1] * len(res.tokens)
+        path.logprobs += list(res.logprobs)
+        path.versions += [res.version] * len(res.tokens)
+        path.rounds += 1
+        ent = entropy_from_topk(res.top_logprobs, self.vocab) if res.top_logprobs else []
+        h = window_entropy(ent, self.settings.entropy_window) if len(ent) else float("nan")
+        return self.tokenizer.decode(res.tokens, skip_special_tokens=False), h, res.finish_reason
+
+    async def _tool(self, path: _Path, name: str, args: str) -> None:
+        result = await self.tools.call(name, args)
+        ids = self.tokenizer.encode(format_result(result.text), add_special_tokens=False)
+        path.tokens += ids
+        path.mask += [0] * len(ids)
+        path.logprobs += [0.0] * len(ids)
+        path.versions += [-1] * len(ids)
+        path.tool_calls += 1
+
+    # ------------------------------------------------------------------ one path
+    async def _drive(self, prompt: Prompt, path: _Path, group: _GroupState) -> None:
+        planner = group.planner
+        while True:
+            text, h, finish = await self._round(prompt, path)
+            if path.rounds == 1 and planner.parent_of(path.tid) == -1:
+                planner.record_initial_entropy(path.tid, h)
+                group.h_root.append(h)
+            if path.decide:
+                path.decide = False
+                forks, _ = planner.after_tool_round(path.tid, h)
+                group.h_tool.append(h)
+                for tid in forks:
+                    group.spawn(self._drive(prompt, path.fork(tid), group))
+            call = find_tool_call(text) if finish == "stop" else None
+            room = self.cfg.sampling.max_response_tokens - len(path.tokens)
+            if call is None or path.tool_calls >= self.cfg.rollout.tool_call_limit or room <= 0:
+                path.finish_reason = ("tool_limit" if call is not None else finish)
+                break
+            await self._tool(path, call.name, call.args)
+            group.executed += 1
+            if len(path.tokens) >= self.cfg.sampling.max_response_tokens:
+                # The result used up the budget: another round would ask for <= 0 tokens.
+                path.finish_reason = "length"
+                break
+            path.snapshot = len(path.tokens)
+            path.decide = True
+        planner.finish(path.tid)
+        group.paths[path.tid] = path
+        self._maybe_grow(prompt, group)
+
+    def _maybe_grow(self, prompt: Prompt, group: _GroupState) -> None:
+        """AEPO's budget split after the probe, and the fill rule (DESIGN step 4)."""
+        planner = group.planner
+        if group.probe_pending and self.settings.dynamic_budget:
+            group.probe_pending = False
+            h_root = float(np.nanmean(group.h_root)) if group.h_root else 0.0
+            h_tool = float(np.nanmean(group.h_tool)) if group.h_tool else h_root
+            m = aepo_global_samples(h_root, h_tool, self.settings.group_size,
+                                    self.settings.budget_beta)
+            for _ in range(min(m - 1, planner.remaining_budget())):
+                group.spawn(self._drive(prompt, _Path(planner.new_root()), group))
+        for tid in planner.fill():
+            group.spawn(self._drive(prompt, _Path(tid), group))
+
+    # ------------------------------------------------------------------ the group
+    async def run(self, prompt: Prompt, actor_id: int) -> TrajectoryGroup:
+        initial = 1 if self.settings.dynamic_budget else None
+        group = _GroupState(BranchPlanner(self.settings, self.rng, initial=initial))
+        for tid in group.planner.start():
+            group.spawn(self._drive(prompt, _Path(tid), group))
+        await group.wait()
+        leaves = [self._leaf(prompt, group.paths[tid], group.planner.parent_of(tid))
+                  for tid in sorted(group.paths)]
+        return TrajectoryGroup(
+            group_id=new_group_id(actor_id), actor_id=actor_id, prompt_id=prompt.id,
+            prompt_tokens=np.asarray(prompt.tokens, np.int32), leaves=leaves,
+            mode=self.cfg.rollout.mode, tool_calls_executed=group.executed,
+            stats={f"branch/{k}": v for k, v in group.planner.stats().items()})
+
+    def _leaf(self, prompt: Prompt, path: _Path, parent: int) -> Trajectory:
+        text = self.tokenizer.decode(path.tokens, skip_special_tokens=False)
+        reward, score = self.source.score(text, prompt)
+        return Trajectory(
+            tokens=np.asarray(path.tokens, np.int32), loss_mask=np.asarray(path.mask, np.uint8),
+            logprobs=np.asarray(path.logprobs, np.float32),
+            versions=np.asarray(path.versions, np.int32), reward=reward, score=score,
+            parent=parent, branch_point=path.branch_point, tool_calls=path.tool_calls,
+            finish_reason=path.finish_reason)
+
+
+class _GroupState:
+    """Tasks and finished paths of one group; all mutation happens on one event loop."""
+
+    def __init__(self, planner: BranchPlanner):
+        self.planner = planner
+        self.paths: dict[int, _Path] = {}
+        self.tasks: set[asyncio.Task] = set()
+        self.executed = 0
+        self.h_root: list[float] = []
+        self.h_tool: list[float] = []
+        self.probe_pending = True
+
+    def spawn(self, coro) -> None:
+        self.tasks.add(asyncio.ensure_future(coro))
+
+    async def wait(self) -> None:
+        try:
+            while self.tasks:
+                done, _ = await asyncio.wait(self.tasks, return_when=asyncio.FIRST_COMPLETED)
+                self.tasks -= done
+                for task in done:
+                    task.result()  # re-raise a failed path
+        finally:  # a failed or cancelled group leaves no orphan paths behind
+            for task in self.tasks:
+                task.cancel()

@@ -1,0 +1,41 @@
+"""Build DeepSpeed's JIT-compiled CPU communication op once, before any learner starts.
+
+DeepSpeed compiles its shared-memory comm op on first use (about 30 s) under a
+torch ``FileBaton``: a lock file with no owner. A process killed mid-compile (Ctrl-C
+during the first run) leaves that file behind and every later learner waits on it
+forever. The launcher therefore builds the op itself, serialised by an ``flock`` that
+all arpo_async launchers share; whoever holds the flock knows that a leftover baton is
+stale and removes it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger("arpo_async.dsops")
+
+
+def prebuild_deepspeed_ops() -> None:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.accelerator import get_accelerator
+    from torch.utils.cpp_extension import _get_build_directory
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None:  # a GPU accelerator: nothing to build here
+        return
+    build_dir = Path(_get_build_directory(builder.NAME, False))
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir.parent / "arpo_async_build.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        baton = build_dir / "lock"
+        if baton.exists():
+            log.warning("removing a stale torch extension lock left by an interrupted "
+                        "build: %s", baton)
+            baton.unlink()
+        if not any(build_dir.glob("*.so")):
+            print("compiling DeepSpeed's CPU communication op (once, about 30 s)...",
+                  flush=True)
+        builder.load(verbose=False)
