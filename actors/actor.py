@@ -84,8 +84,8 @@ class Actor:
             if not grant.granted:
                 if grant.reason.startswith("stale"):
                     await self.sync_weights()
-                else:
-                    await asyncio.sleep(0.02)
+                else:  # at capacity: the learner frees tickets as it trains
+                    await asyncio.sleep(0.02 if grant.reason == "capacity" else 0.2)
                 self.idle_s += time.perf_counter() - t0
                 continue
             self.idle_s += time.perf_counter() - t0

@@ -67,6 +67,9 @@ class ActorsConfig(_Section):
     heartbeat_s: float = Field(2.0, description="seconds between actor heartbeats")
     max_restarts: int = Field(3, ge=0, description="restarts of a dead actor before giving up")
     weight_poll_s: float = Field(0.2, description="seconds between checks for new weights")
+    start_wait_s: float = Field(
+        300.0, description="before the first ticket, wait this long for all actors to connect"
+    )
 
 
 class SamplingConfig(_Section):

@@ -54,6 +54,11 @@ class LearnerService:
         self.stopping = False
         self.actors: dict[int, ActorLedger] = {}
         self.wait_s = 0.0  # time spent waiting for trajectories
+        # No tickets until every actor said hello (or the wait ran out), so that one
+        # fast-starting actor does not generate a short run's whole first batches.
+        self.expected_actors = cfg.actors.num
+        self.gate_deadline = time.monotonic() + cfg.actors.start_wait_s
+        self.gate_open = cfg.actors.num <= 1
         self.control.start()
 
     # ---------------------------------------------------------------- control thread
@@ -85,6 +90,11 @@ class LearnerService:
         led.last_seen, led.version = time.time(), msg.version
         if self.stopping:
             return P.TicketGrant(0, self.published, stop=True, reason="stopping")
+        if not self.gate_open:
+            connected = sum(1 for a in self.actors.values() if a.pid)
+            if connected < self.expected_actors and time.monotonic() < self.gate_deadline:
+                return P.TicketGrant(0, self.published, reason="waiting_for_actors")
+            self.gate_open = True
         granted, reason = self.admission.grant(msg.n, self.version, msg.version)
         led.granted += granted
         return P.TicketGrant(granted, self.published, reason=reason)
