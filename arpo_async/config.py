@@ -127,6 +127,9 @@ class LearnerConfig(_Section):
     grad_clip: float = Field(1.0, description="gradient norm clip")
     micro_batches: int = Field(1, ge=1, description="forward/backward micro-batches per step per rank")
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage")
+    deepspeed_config: str = Field(
+        "", description="DeepSpeed JSON merged into the generated config (ZeRO tuning, offload)"
+    )
     world_size: int = Field(1, ge=1, description="learner processes (torchrun ranks)")
     threads: int = Field(1, ge=1, description="torch CPU threads per learner rank")
     checkpoint_every: int = Field(0, ge=0, description="learner steps between checkpoints (0: off)")

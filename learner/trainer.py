@@ -10,8 +10,10 @@ gradient (token-mean aggregation, DESIGN.md "Importance-corrected loss").
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -40,6 +42,12 @@ def deepspeed_config(cfg: Config, micro_batches: int) -> dict:
         ds["bf16"] = {"enabled": True}
     elif cfg.model.dtype == "float16":
         ds["fp16"] = {"enabled": True}
+    if lcfg.deepspeed_config:
+        # A DeepSpeed JSON (configs/deepspeed/*.json) adds ZeRO tuning; the batch
+        # geometry and the stage stay those of the arpo_async config.
+        extra = json.loads(Path(lcfg.deepspeed_config).read_text())
+        zero = {**extra.pop("zero_optimization", {}), "stage": lcfg.zero_stage}
+        ds = {**extra, **ds, "zero_optimization": zero}
     return ds
 
 
