@@ -75,6 +75,7 @@ class ActorsConfig(_Section):
 class SamplingConfig(_Section):
     temperature: float = Field(1.0, description="sampling temperature")
     top_p: float = Field(1.0, description="nucleus sampling mass")
+    max_prompt_tokens: int = Field(0, ge=0, description="skip longer prompts, tokens (0: no limit)")
     max_new_tokens: int = Field(64, description="tokens per generation round")
     max_response_tokens: int = Field(256, description="model + tool tokens per trajectory")
     logprobs_topk: int = Field(20, description="top-k log-probs returned per token for entropy")
@@ -181,6 +182,38 @@ class ToolsConfig(_Section):
     search_snippet_chars: int = Field(200, description="characters kept per snippet")
 
 
+class SimConfig(_Section):
+    """The simulated engine (``actors.engine=simulated``): no model; tokens come from a
+    seeded generator at the configured rate, so the learner, transport, admission control
+    and weight channel can be exercised with many actors on one machine."""
+
+    tokens_per_s: float = Field(200.0, gt=0, description="decode rate of one sequence, tokens/s")
+    engine_tokens_per_s: float = Field(
+        0.0, ge=0, description="cap on all sequences of one engine together, tokens/s (0: none)")
+    request_latency_s: float = Field(
+        0.0, ge=0, description="fixed latency of every generate call (prefill, scheduling), s")
+    chunk_tokens: int = Field(8, ge=1, description="tokens released per pacing sleep")
+    round_tokens_min: int = Field(8, ge=1, description="fewest free-text tokens per round")
+    round_tokens_max: int = Field(40, ge=1, description="most free-text tokens per round")
+    tool_call_prob: float = Field(
+        0.5, ge=0, le=1, description="chance a round ends in a call to an enabled tool")
+    eos_prob: float = Field(
+        0.0, ge=0, le=1, description="chance a round ends with end-of-sequence, no answer")
+    entropy: float = Field(0.5, ge=0, le=1, description="normalised entropy of a first round")
+    entropy_after_tool: float = Field(
+        0.7, ge=0, le=1, description="normalised entropy of a round right after a tool result")
+    entropy_noise: float = Field(0.05, ge=0, description="std of the per-token entropy noise")
+    update_s: float = Field(0.0, ge=0, description="simulated weight load time per update, s")
+    actors_per_process: int = Field(
+        1, ge=1, description="simulated actors per OS process (asyncio tasks, own sockets each)")
+
+    @model_validator(mode="after")
+    def _rounds(self) -> "SimConfig":
+        if self.round_tokens_min > self.round_tokens_max:
+            raise ValueError("sim.round_tokens_min must be <= sim.round_tokens_max")
+        return self
+
+
 class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -191,6 +224,7 @@ class Config(_Section):
     transport: TransportConfig = Field(default_factory=TransportConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
     tools: ToolsConfig = Field(default_factory=ToolsConfig)
+    sim: SimConfig = Field(default_factory=SimConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -202,6 +236,8 @@ class Config(_Section):
         if ln.max_staleness < ln.sync_every - 1:
             raise ValueError("learner.max_staleness must be >= learner.sync_every - 1 "
                              "(actors hold weights up to sync_every - 1 versions old)")
+        if ln.deepspeed_config and not Path(ln.deepspeed_config).is_file():
+            raise ValueError(f"learner.deepspeed_config: {ln.deepspeed_config} does not exist")
         if ro.initial_samples > ro.group_size:
             raise ValueError("rollout.initial_samples must be <= rollout.group_size")
         return self

@@ -59,6 +59,7 @@ class PromptSource:
         self.items = self._load()
         self.order = self.rng.permutation(len(self.items))
         self.pos = 0
+        self.skipped_long = 0
 
     def _load(self) -> list[Prompt]:
         task = self.cfg.task
@@ -88,11 +89,20 @@ class PromptSource:
         return prompt
 
     def next(self) -> Prompt:
-        if self.pos == len(self.order):
-            self.order, self.pos = self.rng.permutation(len(self.items)), 0
-        prompt = self.items[int(self.order[self.pos])]
-        self.pos += 1
-        return self.encode(prompt) if not prompt.tokens else prompt
+        """The next prompt in this stream's order; prompts longer than
+        ``sampling.max_prompt_tokens`` are skipped and counted."""
+        limit = self.cfg.sampling.max_prompt_tokens
+        for _ in range(len(self.items)):
+            if self.pos == len(self.order):
+                self.order, self.pos = self.rng.permutation(len(self.items)), 0
+            prompt = self.items[int(self.order[self.pos])]
+            self.pos += 1
+            if not prompt.tokens:
+                self.encode(prompt)
+            if not limit or len(prompt.tokens) <= limit:
+                return prompt
+            self.skipped_long += 1
+        raise ValueError(f"every prompt is longer than sampling.max_prompt_tokens={limit}")
 
     def score(self, response: str, prompt: Prompt) -> tuple[float, float]:
         """(reward, correctness) of one response."""
