@@ -19,8 +19,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def _launch(run_dir: Path, model: Path, *overrides: str, timeout: float = 420):
+    # A random model almost never solves the arithmetic task, so rewards are all 0 and the
+    # policy gradient vanishes; a small entropy bonus makes every step change the weights.
     cmd = [PY, "-m", "arpo_async.launch", "--quiet", f"run.dir={run_dir}",
-           f"model.path={model}", *overrides]
+           f"model.path={model}", "learner.loss.entropy_coef=0.01", *overrides]
     return subprocess.run(cmd, cwd=REPO, env=python_env(), capture_output=True, text=True,
                           timeout=timeout)
 
