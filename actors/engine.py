@@ -136,7 +136,8 @@ def check_weight_names(names: Iterable[str], expected: Mapping[str, tuple] | Non
                              f"{tuple(expected[name])}")
 
 
-def torch_state_dict(tensors: Mapping[str, Any], dtype: Any, bf16_names: Iterable[str] = ()) -> dict:
+def torch_state_dict(tensors: Mapping[str, Any], dtype: Any,
+                     bf16_names: Iterable[str] = ()) -> dict:
     """Weights as they arrive (numpy arrays keyed by HF state_dict names, or torch
     tensors) -> contiguous torch tensors of ``dtype``. numpy has no bfloat16: a uint16
     array is the raw bits of a bfloat16 tensor (no model weight is uint16), whether or
@@ -156,7 +157,8 @@ def torch_state_dict(tensors: Mapping[str, Any], dtype: Any, bf16_names: Iterabl
                 t = torch.from_numpy(np.ascontiguousarray(arr))
             if arr.dtype == np.uint16 or name in bf16:
                 if arr.dtype not in (np.uint16, np.int16):
-                    raise ValueError(f"weights[{name!r}]: listed as bfloat16 but dtype is {arr.dtype}")
+                    raise ValueError(f"weights[{name!r}]: listed as bfloat16 but dtype is "
+                                     f"{arr.dtype}")
                 t = t.view(torch.bfloat16)
         else:
             raise TypeError(f"weights[{name!r}]: expected a numpy array or torch tensor, "
@@ -181,12 +183,15 @@ async def build_engine(
         return await VLLMEngine.create(
             model_path, dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
             kv_cache_gib=cfg.actors.kv_cache_gib, seed=seed,
-            max_logprobs=max(20, cfg.sampling.logprobs_topk), enforce_eager=True,
+            max_logprobs=max(20, cfg.sampling.logprobs_topk),
+            # CUDA graphs only on GPU: the CPU backend runs eager
+            enforce_eager=cfg.cluster.device == "cpu" or not cfg.actors.cuda_graphs,
             cpu_threads=cfg.actors.threads,
             cpu_bind=cpu_bind_for(actor_id, cfg.actors.threads),
             gpu_memory_utilization=cfg.actors.gpu_memory_utilization,
             tensor_parallel=cfg.actors.tensor_parallel,
             enable_prefix_caching=cfg.actors.enable_prefix_caching, version=version,
+            weight_transfer="nccl" if cfg.learner.weight_sync == "nccl" else None,
         )
     if kind == "transformers":
         from actors.hf_engine import HFEngine
@@ -196,5 +201,7 @@ async def build_engine(
             version=version, max_model_len=cfg.model.max_model_len,
         )
     if kind == "simulated":
-        raise NotImplementedError("simulated engine: issue 6")
+        from actors.sim_engine import SimulatedEngine
+
+        return await SimulatedEngine.create(cfg, model_path, seed=seed, version=version)
     raise ValueError(f"actors.engine: unknown engine {kind!r}")

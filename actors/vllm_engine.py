@@ -78,6 +78,12 @@ def _reload_from_file(worker: Any, path: str) -> int:
 
     tensors = safetensors.torch.load_file(path)
     worker.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
+    _retie_embeddings(worker)
+    return len(tensors)
+
+
+def _retie_embeddings(worker: Any) -> None:
+    """Runs inside each vLLM worker after an in-place weight load (file or NCCL)."""
     model = worker.model_runner.get_model()
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         # vLLM ties lm_head.weight to the embedding's Parameter; the in-place reload gives
@@ -92,7 +98,6 @@ def _reload_from_file(worker: Any, path: str) -> int:
         head.weight = embed.weight
         if getattr(head, "quant_method", None) is not None:
             head.quant_method.process_weights_after_loading(head)
-    return len(tensors)
 
 
 def _checkpoint_shapes(model_path: str) -> dict[str, tuple] | None:
@@ -135,6 +140,7 @@ class VLLMEngine:
         self.last_update: dict[str, float] = {}
         self.startup_s = 0.0
         self._expected: dict[str, tuple] | None = None  # checkpoint names -> shapes
+        self.nccl_workers = 1  # vLLM worker processes (tensor parallel), for NCCL weights
 
     @classmethod
     async def create(
@@ -153,11 +159,14 @@ class VLLMEngine:
         tensor_parallel: int = 1,
         enable_prefix_caching: bool = False,
         version: int = 0,
+        weight_transfer: str | None = None,
     ) -> VLLMEngine:
         """Start the engine and run one warm-up request (the first request otherwise
         pays ~20 s of one-off set-up). ``cpu_bind``: vLLM's VLLM_CPU_OMP_THREADS_BIND
         ("auto" when None, "nobind", or cores such as "1" or "0-3": one OpenMP thread
         per listed core); ``cpu_threads`` sets OMP_NUM_THREADS, used only with "nobind".
+        ``weight_transfer="nccl"`` enables vLLM's weight-transfer engine on the GPU workers
+        (``init_weight_transfer`` / ``receive_weights_nccl``).
         The caller's main module must be import-safe (``if __name__ == "__main__"``):
         vLLM starts its engine process with spawn."""
         t0 = time.perf_counter()
@@ -169,7 +178,13 @@ class VLLMEngine:
 
         memory: dict[str, Any] = {"gpu_memory_utilization": gpu_memory_utilization}
         if current_platform.is_cpu():
-            memory = {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)}
+            # A prefill split across steps makes vLLM 0.32's CPU sampler rewind a seeded
+            # request's generator, which CPU generators cannot do ("CPU Generator does not
+            # use offset") and the EngineCore dies; a large token budget keeps prefills whole.
+            memory = {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30),
+                      "max_num_batched_tokens": max(65536, max_model_len)}
+        if weight_transfer:
+            memory["weight_transfer_config"] = {"backend": weight_transfer}
         args = AsyncEngineArgs(
             model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
             max_logprobs=max_logprobs, logprobs_mode=LOGPROBS_MODE, enforce_eager=enforce_eager,
@@ -178,8 +193,10 @@ class VLLMEngine:
         )
         # No local name for the AsyncLLM: the engine object must hold the only reference,
         # so that close() can release it (a finished frame here kept it alive).
-        engine = cls(AsyncLLM.from_engine_args(args), dtype, max_model_len, max_logprobs, enable_prefix_caching, version)
+        engine = cls(AsyncLLM.from_engine_args(args), dtype, max_model_len, max_logprobs,
+                     enable_prefix_caching, version)
         engine._expected = _checkpoint_shapes(model_path)
+        engine.nccl_workers = tensor_parallel
         try:
             await engine.generate(GenRequest(prompt_tokens=[0, 1], max_tokens=2, logprobs_topk=1))
             await engine.sequence_logprobs([0], [1])
@@ -229,7 +246,8 @@ class VLLMEngine:
         tokens = list(comp.token_ids)
         entries = comp.logprobs or []
         if len(entries) != len(tokens):
-            raise RuntimeError(f"vLLM returned {len(entries)} log-prob entries for {len(tokens)} tokens")
+            raise RuntimeError(f"vLLM returned {len(entries)} log-prob entries for "
+                               f"{len(tokens)} tokens")
         logprobs = [float(e[t].logprob) for t, e in zip(tokens, entries)]
         top = [_top_k(e, req.logprobs_topk) for e in entries]
         return GenResult(tokens=tokens, logprobs=logprobs, top_logprobs=top,
@@ -283,6 +301,53 @@ class VLLMEngine:
         self.last_update = {"write_s": t_file, "drain_s": drain_s, "load_s": load_s,
                             "paused_s": paused, "tensors": float(len(state))}
         return paused
+
+    # ------------------------------------------------------------------ NCCL weights
+    async def init_weight_transfer(self, init_info: dict) -> None:
+        """Join the learner's NCCL group (vLLM's ``NCCLWeightTransferInitInfo`` fields);
+        returns once every worker and the learner have met."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        await self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+
+    async def receive_weights_nccl(self, fetch_header, timeout_s: float):
+        """At a safe point, ask for the newest weights (``await fetch_header()``: a
+        ``NcclWeightsHeader``, or None when there is nothing newer) and receive them over
+        NCCL into the workers. Returns (version, seconds paused) or None.
+
+        The header is requested only after the calls in flight have drained, so the
+        learner's broadcast never waits on this actor's generation. A transfer that does not
+        finish in ``timeout_s`` raises ``NcclTransferFailed``: the workers are then stuck
+        in NCCL and only a restart frees them."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        from actors.weight_sync import NcclTransferFailed, update_info_from
+
+        async with self._gate.exclusive() as drain_s:
+            header = await fetch_header()
+            if header is None:
+                return None
+            t1 = time.perf_counter()
+            names = {n: tuple(s) for n, s in zip(header.names, header.shapes)}
+            if self._expected is not None and "lm_head.weight" not in self._expected:
+                names.pop("lm_head.weight", None)  # tied: vLLM skips it when loading
+            check_weight_names(names, self._expected)
+            request = WeightTransferUpdateRequest(update_info=update_info_from(header))
+            await self._llm.start_weight_update()
+            try:
+                await asyncio.wait_for(self._llm.update_weights(request), timeout_s)
+            except asyncio.TimeoutError:
+                raise NcclTransferFailed(f"weights v{header.version}: the NCCL transfer did "
+                                         f"not finish in {timeout_s:.0f} s") from None
+            await self._llm.finish_weight_update()
+            await self._llm.collective_rpc(_retie_embeddings)
+            if self._prefix_caching:
+                await self._llm.reset_prefix_cache()
+            self.version = header.version
+            load_s = time.perf_counter() - t1
+        self.last_update = {"drain_s": drain_s, "load_s": load_s, "paused_s": drain_s + load_s,
+                            "tensors": float(len(header.names)), "channel_nccl": 1.0}
+        return header.version, drain_s + load_s
 
     async def close(self) -> None:
         """Shut the engine-core process down and remove the weight scratch folder."""

@@ -63,9 +63,16 @@ class ActorsConfig(_Section):
     gpu_memory_utilization: float = Field(0.85, description="vLLM GPU memory fraction (GPU only)")
     tensor_parallel: int = Field(1, ge=1, description="vLLM tensor-parallel size (GPU only)")
     enable_prefix_caching: bool = Field(False, description="vLLM prefix caching")
+    cuda_graphs: bool = Field(
+        True, description="GPU: vLLM captures CUDA graphs for decoding (faster decode, slower "
+        "start-up); CPU engines always run eager")
     threads: int = Field(1, ge=1, description="CPU threads per actor engine")
     heartbeat_s: float = Field(2.0, description="seconds between actor heartbeats")
     max_restarts: int = Field(3, ge=0, description="restarts of a dead actor before giving up")
+    restart_backoff_s: float = Field(
+        2.0, ge=0, description="delay before restarting a dead actor (or learner), seconds; "
+        "doubles per restart, at most 30"
+    )
     weight_poll_s: float = Field(0.2, description="seconds between checks for new weights")
     start_wait_s: float = Field(
         300.0, description="before the first ticket, wait this long for all actors to connect"
@@ -134,7 +141,31 @@ class LearnerConfig(_Section):
     world_size: int = Field(1, ge=1, description="learner processes (torchrun ranks)")
     threads: int = Field(1, ge=1, description="torch CPU threads per learner rank")
     checkpoint_every: int = Field(0, ge=0, description="learner steps between checkpoints (0: off)")
+    keep_checkpoints: int = Field(
+        2, ge=1, description="newest checkpoints kept in run_dir/checkpoints"
+    )
+    max_restarts: int = Field(
+        2, ge=0, description="restarts of a dead learner (from its newest checkpoint) before the "
+        "run fails"
+    )
+    actor_silent_s: float = Field(
+        15.0, gt=0, description="an actor not heard from for this long, seconds, is not counted "
+        "alive and its tickets are released"
+    )
     wait_timeout_s: float = Field(600.0, description="fail if no trajectory arrives for this long")
+    weight_sync: Literal["zmq", "nccl"] = Field(
+        "zmq", description="weights to actors: ZeroMQ copies (any host), or NCCL broadcast to "
+        "vLLM GPU actors on the learner's node (others still use ZeroMQ)")
+    nccl_buffer_mb: int = Field(
+        1024, ge=1, description="NCCL weight sync: packed broadcast buffer, MiB (two in flight)")
+    nccl_timeout_s: float = Field(
+        300.0, gt=0, description="NCCL weight sync: abort an actor's transfer after this long, s")
+    attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "eager"] = Field(
+        "auto", description="learner attention kernel (auto: flash_attention_2 on GPU when "
+        "flash-attn is installed and dtype is 16-bit, else sdpa)")
+    gradient_checkpointing: bool = Field(
+        False, description="recompute activations in backward: less memory on long sequences, "
+        "about a third more compute")
     loss: LossConfig = Field(default_factory=LossConfig)
 
 
@@ -214,6 +245,41 @@ class SimConfig(_Section):
         return self
 
 
+class RemoteActorsConfig(_Section):
+    """Actors on another machine, started there by hand (``launch actor --connect``)."""
+
+    host: str = Field(description="name or address of the machine that runs these actors")
+    actors: int = Field(1, ge=1, description="actor processes on that machine")
+    gpus: list[int] = Field(
+        default_factory=list, description="GPU ids there, actors.tensor_parallel per actor "
+        "(device cuda)")
+
+
+class ClusterConfig(_Section):
+    """Placement: which device, which GPUs, which machines (``arpo_async/plan.py``)."""
+
+    device: Literal["cpu", "cuda"] = Field("cpu", description="where learner and actors compute")
+    learner_gpus: list[int] = Field(
+        default_factory=list, description="GPU ids of the learner ranks on each learner machine, "
+        "one rank per id ([]: 0..world_size-1, or every hostfile slot)")
+    actor_gpus: list[int] = Field(
+        default_factory=list, description="GPU ids on this machine for the local actors, "
+        "actors.tensor_parallel consecutive ids per actor")
+    hostfile: str = Field(
+        "", description="DeepSpeed hostfile ('HOST slots=N' lines) spreading the learner over "
+        "machines ('' = this machine only)")
+    master_addr: str = Field(
+        "", description="learner rendezvous address for DeepSpeed/torchrun ('' = first "
+        "hostfile host, or 127.0.0.1)")
+    master_port: int = Field(0, ge=0, description="learner rendezvous port (0: pick a free one)")
+    learner_address: str = Field(
+        "", description="address remote actors use to reach the learner's rank 0 ('' = "
+        "transport.host, or the first hostfile host when that is a wildcard)")
+    remote_actors: list[RemoteActorsConfig] = Field(
+        default_factory=list, description="actors started on other machines with "
+        "`python -m arpo_async.launch actor --connect tcp://HOST:PORT`")
+
+
 class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -225,6 +291,7 @@ class Config(_Section):
     task: TaskConfig = Field(default_factory=TaskConfig)
     tools: ToolsConfig = Field(default_factory=ToolsConfig)
     sim: SimConfig = Field(default_factory=SimConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -238,6 +305,13 @@ class Config(_Section):
                              "(actors hold weights up to sync_every - 1 versions old)")
         if ln.deepspeed_config and not Path(ln.deepspeed_config).is_file():
             raise ValueError(f"learner.deepspeed_config: {ln.deepspeed_config} does not exist")
+        if self.cluster.remote_actors and 0 in (self.transport.control_port,
+                                                 self.transport.trajectory_port):
+            raise ValueError("cluster.remote_actors: set transport.control_port and "
+                             "transport.trajectory_port to fixed ports (remote hosts are "
+                             "started with them, and firewalls must allow them)")
+        if ln.weight_sync == "nccl" and self.cluster.device != "cuda":
+            raise ValueError("learner.weight_sync=nccl needs cluster.device=cuda")
         if ro.initial_samples > ro.group_size:
             raise ValueError("rollout.initial_samples must be <= rollout.group_size")
         return self

@@ -3,8 +3,19 @@
 Resolves the config once (ports, model folder) and writes ``RUN_DIR/config.yaml``;
 starts the learner (torchrun when ``learner.world_size`` > 1) and ``actors.num`` actors as
 separate processes; shows progress; restarts a dead actor with backoff up to
-``actors.max_restarts`` times; stops everything cleanly on Ctrl-C or when the learner
+``actors.max_restarts`` times, and a dead learner from its newest checkpoint up to
+``learner.max_restarts`` times; stops everything cleanly on Ctrl-C or when the learner
 finishes; exits non-zero, naming the role and its last log lines, when a role fails.
+
+``--resume RUN_DIR`` continues a run whose launcher died: the learner restores its newest
+checkpoint (weights, optimizer, policy version, ledger, data positions), the actors of
+RUN_DIR that are still running are adopted and reconnect, the missing ones are started;
+``metrics.jsonl`` goes on in the same file. Events: ``RUN_DIR/events.jsonl``.
+
+``--dry-run`` validates the config and prints the process plan (arpo_async/plan.py).
+``python -m arpo_async.launch actor --connect tcp://HOST:PORT [--actor-id I] [--keys DIR]``
+runs one actor on another machine, with the config it gets from the learner
+(arpo_async/remote.py, docs/scale-out.md).
 """
 
 from __future__ import annotations
@@ -25,17 +36,27 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML config (default: configs/default.yaml)")
     p.add_argument("--dry-run", action="store_true",
                    help="validate the config and print the process plan; start nothing")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR")
+    p.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue the run in RUN_DIR from its newest checkpoint")
     p.add_argument("--quiet", action="store_true", help="plain log lines, no live panel")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["actor"]:  # an actor on another machine (arpo_async/remote.py)
+        from arpo_async.remote import main as actor_main
+
+        return actor_main(argv[1:])
     args = _parser().parse_args(argv)
     from arpo_async.config import ConfigError
 
     try:
+        if args.dry_run:
+            from arpo_async.plan import dry_run
+
+            return dry_run(args)
         from arpo_async.supervisor import launch
 
         return launch(args)

@@ -166,10 +166,74 @@ class Ack:
     learner_version: int = -1
 
 
+@dataclass
+class ConfigRequest:
+    """An actor started on another machine (``launch actor --connect``) asks for the run's
+    resolved config; ``actor_id`` -1 asks the learner to assign one."""
+
+    KIND: ClassVar[str] = "config_request"
+    actor_id: int = -1
+    host: str = ""
+    pid: int = 0
+
+
+@dataclass
+class ConfigReply:
+    KIND: ClassVar[str] = "config_reply"
+    config_yaml: str  # the learner's RUN_DIR/config.yaml
+    actor_id: int  # the id this actor runs as
+
+
+@dataclass
+class NcclJoinRequest:
+    """A vLLM GPU actor asks to receive weights over NCCL (learner.weight_sync=nccl)."""
+
+    KIND: ClassVar[str] = "nccl_join"
+    actor_id: int
+    machine_id: str  # the kernel boot id: equal only on the same machine
+    workers: int = 1  # the actor's vLLM worker processes (tensor parallel size)
+
+
+@dataclass
+class NcclJoinReply:
+    """``ok``: join the group now (vLLM's NCCL weight-transfer init info); else ``reason``
+    says why the actor keeps ZeroMQ."""
+
+    KIND: ClassVar[str] = "nccl_join_reply"
+    ok: bool
+    reason: str = ""
+    master_address: str = ""
+    master_port: int = 0
+    world_size: int = 0
+    buffer_bytes: int = 0
+    num_buffers: int = 0
+
+
+@dataclass
+class NcclWeightsRequest:
+    """Sent at the actor's safe point: weights newer than ``have_version``, over NCCL."""
+
+    KIND: ClassVar[str] = "nccl_weights_request"
+    actor_id: int
+    have_version: int
+
+
+@dataclass
+class NcclWeightsHeader:
+    """What the broadcast that follows carries, in order (vLLM's update info)."""
+
+    KIND: ClassVar[str] = "nccl_weights_header"
+    version: int
+    names: list[str] = field(default_factory=list)
+    dtype_names: list[str] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
+
+
 MESSAGES = {
     cls.KIND: cls
     for cls in (TrajectoryGroup, Hello, Heartbeat, TicketRequest, TicketGrant,
-                WeightsRequest, WeightsUpdate, Bye, Ack)
+                WeightsRequest, WeightsUpdate, Bye, Ack, ConfigRequest, ConfigReply,
+                NcclJoinRequest, NcclJoinReply, NcclWeightsRequest, NcclWeightsHeader)
 }
 
 # ----------------------------------------------------------------------------- encoding
@@ -293,6 +357,17 @@ def _build(cls: type, body: dict) -> Any:
         typ = {"int": int, "float": float, "str": str, "bool": bool}.get(str(f.type), None)
         if typ is not None:
             kwargs[f.name] = _typed(body, f.name, typ)
+        elif str(f.type) == "list[str]":
+            val = body[f.name]
+            _check(isinstance(val, list) and all(isinstance(v, str) for v in val),
+                   "bad_field", f"{f.name}: expected a list of strings")
+            kwargs[f.name] = val
+        elif str(f.type) == "list[list[int]]":
+            val = body[f.name]
+            _check(isinstance(val, list) and all(
+                isinstance(v, list) and all(type(x) is int and x >= 0 for x in v) for v in val),
+                "bad_field", f"{f.name}: expected a list of shapes")
+            kwargs[f.name] = val
         elif str(f.type) == "dict[str, float]":
             val = body[f.name]
             _check(isinstance(val, dict) and all(isinstance(k, str) for k in val),

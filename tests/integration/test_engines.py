@@ -372,9 +372,3 @@ async def test_hf_stop_string_and_bf16_bits(hf_engine, hf_model, prompt, tokeniz
     finally:
         hf_model.load_state_dict(original)
         await hf_engine.update_weights(original, 6)
-
-
-async def test_build_engine_simulated_is_not_built_yet():
-    cfg = config_from_dict({"actors": {"engine": "simulated"}})
-    with pytest.raises(NotImplementedError, match="simulated"):
-        await build_engine(cfg, "unused")

@@ -80,6 +80,15 @@ messages = st.one_of(
     _builds(P.WeightsRequest, actor_id=int64, have_version=int64),
     _builds(P.Bye, actor_id=int64, groups_sent=int64, stats=stats),
     _builds(P.Ack, ok=st.booleans(), reason=text, learner_version=int64),
+    _builds(P.ConfigRequest, actor_id=int64, host=text, pid=int64),
+    _builds(P.ConfigReply, config_yaml=text, actor_id=int64),
+    _builds(P.NcclJoinRequest, actor_id=int64, machine_id=text, workers=int64),
+    _builds(P.NcclJoinReply, ok=st.booleans(), reason=text, master_address=text,
+            master_port=int64, world_size=int64, buffer_bytes=int64, num_buffers=int64),
+    _builds(P.NcclWeightsRequest, actor_id=int64, have_version=int64),
+    _builds(P.NcclWeightsHeader, version=int64, names=st.lists(text, max_size=3),
+            dtype_names=st.lists(text, max_size=3),
+            shapes=st.lists(st.lists(st.integers(0, 2**40), max_size=3), max_size=3)),
 )
 
 # a value msgpack can carry, of any type: what a confused or hostile peer might put anywhere
@@ -128,6 +137,8 @@ def conforms(value, typ: str) -> bool:
         "dict[str, np.ndarray]": lambda v: isinstance(v, dict) and all(
             type(k) is str and isinstance(x, np.ndarray) for k, x in v.items()),
         "list[str]": lambda v: isinstance(v, list) and all(type(x) is str for x in v),
+        "list[list[int]]": lambda v: isinstance(v, list) and all(
+            isinstance(x, list) and all(type(i) is int for i in x) for x in v),
         "list[Trajectory]": lambda v: isinstance(v, list) and all(
             isinstance(x, P.Trajectory) and all_fields_conform(x) for x in v),
     }

@@ -1,0 +1,292 @@
+"""The learner's fast weight channel to vLLM GPU actors on its own machine: NCCL.
+
+Why: over ZeroMQ every actor receives a full copy through a socket, writes it to a file
+in /dev/shm and vLLM reloads the file; for a 14B model that is tens of seconds per actor
+(docs/scale-out.md). Over NCCL the learner streams the weights GPU to GPU (NVLink or PCIe)
+into the vLLM workers, which load them in place through vLLM's weight-transfer engine
+(``vllm/distributed/weight_transfer/nccl_engine.py``, vLLM 0.32).
+
+How it fits the asynchronous design: each actor still pulls at its own safe point.
+- join (``NcclJoinRequest``, once per actor): only from the same machine (kernel boot id);
+  the learner binds a rendezvous port and answers with vLLM's init info; a sender thread
+  then forms a two-party group: learner rank 0 plus the actor's tensor-parallel workers
+  (NCCL allows one rank per GPU, so the actor's GPUs must differ from the learner's).
+- update (``NcclWeightsRequest``, sent after the actor drained its calls): the learner
+  answers with the header of its newest published version and queues the broadcast of
+  exactly that version on the actor's group; the workers receive it concurrently.
+
+The sender thread runs one transfer at a time. It copies the published host snapshot
+(the same numpy arrays ZeroMQ serves) into two GPU staging buffers on a copy stream and
+broadcasts each packed chunk on an NCCL stream, so the training stream is never blocked.
+Chunks follow vLLM's packing rule (``plan_chunks``), which the receiving workers apply to
+the header. A transfer that does not finish within ``learner.nccl_timeout_s`` (the actor
+died) is aborted with ``ncclCommAbort`` and the actor's group is forgotten: it falls back
+to ZeroMQ or, after a restart, joins again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+from actors.weight_sync import machine_id
+from arpo_async import protocol as P
+
+log = logging.getLogger("learner.weights")
+
+_TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+
+
+# ----------------------------------------------------------------------------- pure helpers
+
+
+def weight_header(tensors: dict[str, np.ndarray], bf16_names=()) -> tuple[list, list, list]:
+    """(names, torch dtype names, shapes) of a published snapshot, in its order; a uint16
+    array is the bits of a bfloat16 tensor (the wire convention of protocol.WeightsUpdate)."""
+    bf16 = set(bf16_names)
+    names, dtypes, shapes = [], [], []
+    for name, arr in tensors.items():
+        kind = "bfloat16" if (name in bf16 or arr.dtype == np.uint16) else str(arr.dtype)
+        if kind not in _TORCH_DTYPES:
+            raise ValueError(f"weights[{name!r}]: dtype {arr.dtype} cannot be sent over NCCL")
+        names.append(name)
+        dtypes.append(_TORCH_DTYPES[kind])
+        shapes.append([int(d) for d in arr.shape])
+    return names, dtypes, shapes
+
+
+def plan_chunks(sizes: list[int], buffer_bytes: int) -> list[list[int]]:
+    """Indices per packed chunk, by vLLM's rule (``packed_tensor.pack_tensors`` and the
+    consumer): add tensors in order, close the chunk once its bytes exceed the buffer."""
+    chunks, current, total = [], [], 0
+    for i, size in enumerate(sizes):
+        current.append(i)
+        total += size
+        if total > buffer_bytes:
+            chunks.append(current)
+            current, total = [], 0
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def free_listen_socket(host: str) -> socket.socket:
+    """A bound, listening TCP socket on a free port (the rendezvous store's server)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen()
+    return sock
+
+
+@dataclass
+class _Snapshot:
+    version: int
+    header: P.NcclWeightsHeader
+    arrays: list[np.ndarray]  # in header order
+
+
+class TransferTimeout(RuntimeError):
+    pass
+
+
+# ----------------------------------------------------------------------------- server
+
+
+class NcclWeightServer:
+    """Learner rank 0's NCCL weight channel (see the module docstring). ``handle`` runs on
+    the control thread and never blocks; transfers run on the sender thread."""
+
+    def __init__(self, device_index: int, buffer_bytes: int, timeout_s: float,
+                 num_buffers: int = 2, address: str = "127.0.0.1", start: bool = True):
+        """``start=False`` leaves the sender thread (the CUDA side) unstarted: jobs queue
+        up in ``_jobs``, which is how the control logic is tested without a GPU."""
+        self.device_index, self.buffer_bytes = device_index, buffer_bytes
+        self.timeout_s, self.num_buffers, self.address = timeout_s, num_buffers, address
+        self.machine = machine_id()
+        self._lock = threading.Lock()
+        self._snapshot: _Snapshot | None = None
+        self._members: set[int] = set()  # actors joined or joining
+        self._groups: dict[int, object] = {}  # actor id -> PyNcclCommunicator (sender thread)
+        self._jobs: queue.Queue = queue.Queue()
+        self.stats = {"joins": 0, "transfers": 0, "aborted": 0, "bytes": 0, "seconds": 0.0}
+        self._thread = threading.Thread(target=self._run, name="nccl-weights", daemon=True)
+        if start:
+            self._thread.start()
+
+    @classmethod
+    def create(cls, cfg) -> NcclWeightServer:
+        """For ``learner.weight_sync=nccl``; raises with what is missing."""
+        try:
+            import torch
+            from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator  # noqa
+        except ImportError as exc:
+            raise RuntimeError(f"learner.weight_sync=nccl needs vLLM (its NCCL wrapper) in the "
+                               f"learner's environment: {exc}") from None
+        if not torch.cuda.is_available():
+            raise RuntimeError("learner.weight_sync=nccl needs CUDA in the learner process; "
+                               "use learner.weight_sync=zmq on machines without GPUs")
+        return cls(int(os.environ.get("LOCAL_RANK", "0")),
+                   cfg.learner.nccl_buffer_mb * 2**20, cfg.learner.nccl_timeout_s)
+
+    # ------------------------------------------------------------- control thread
+    def publish(self, version: int, tensors: dict[str, np.ndarray], bf16_names=()) -> None:
+        """The newest weights; the arrays must not change afterwards (as for ZeroMQ)."""
+        names, dtypes, shapes = weight_header(tensors, bf16_names)
+        snap = _Snapshot(version, P.NcclWeightsHeader(version, names, dtypes, shapes),
+                         [tensors[n] for n in names])
+        with self._lock:
+            self._snapshot = snap
+
+    def handle(self, msg):
+        if isinstance(msg, P.NcclJoinRequest):
+            return self._join(msg)
+        if isinstance(msg, P.NcclWeightsRequest):
+            return self._offer(msg)
+        return P.Ack(ok=False, reason=f"nccl weights: unexpected {type(msg).__name__}")
+
+    def _join(self, msg: P.NcclJoinRequest) -> P.NcclJoinReply:
+        if msg.machine_id != self.machine:
+            return P.NcclJoinReply(ok=False, reason="actor runs on another machine")
+        if not 1 <= msg.workers <= 64:
+            return P.NcclJoinReply(ok=False, reason=f"bad worker count {msg.workers}")
+        sock = free_listen_socket(self.address)
+        world = 1 + msg.workers
+        with self._lock:
+            self._members.add(msg.actor_id)
+        self._jobs.put(("join", msg.actor_id, sock, world))
+        return P.NcclJoinReply(ok=True, master_address=self.address,
+                               master_port=sock.getsockname()[1], world_size=world,
+                               buffer_bytes=self.buffer_bytes, num_buffers=self.num_buffers)
+
+    def _offer(self, msg: P.NcclWeightsRequest):
+        with self._lock:
+            snap, member = self._snapshot, msg.actor_id in self._members
+        if snap is None or snap.version <= msg.have_version:
+            return P.Ack(ok=True, learner_version=-1 if snap is None else snap.version)
+        if not member:
+            return P.Ack(ok=False, reason="no NCCL group for this actor (aborted or never "
+                                          "joined)")
+        self._jobs.put(("send", msg.actor_id, snap))
+        return snap.header
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        if self._thread.is_alive():
+            self._thread.join(5.0)
+
+    # ------------------------------------------------------------- sender thread
+    def _run(self) -> None:
+        import torch
+
+        torch.cuda.set_device(self.device_index)
+        self._copy_stream = torch.cuda.Stream()
+        self._nccl_stream = torch.cuda.Stream()
+        self._buffers: list = []
+        while (job := self._jobs.get()) is not None:
+            kind, actor_id = job[0], job[1]
+            try:
+                if kind == "join":
+                    self._form_group(actor_id, *job[2:])
+                else:
+                    self._transfer(actor_id, job[2])
+            except Exception as exc:  # one actor's failure must not stop the channel
+                log.error("nccl weights: %s for actor %d failed: %s", kind, actor_id, exc)
+                self._forget(actor_id, abort=isinstance(exc, TransferTimeout))
+        for actor_id in list(self._groups):
+            self._forget(actor_id, abort=False)
+
+    def _form_group(self, actor_id: int, sock: socket.socket, world: int) -> None:
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
+        from vllm.utils.nccl import unpinned_nccl_env
+
+        self._forget(actor_id, abort=False, keep_member=True)  # a restarted actor rejoins
+        pg = StatelessProcessGroup.create(host=self.address, port=sock.getsockname()[1],
+                                          rank=0, world_size=world, listen_socket=sock,
+                                          store_timeout=int(self.timeout_s))
+        with unpinned_nccl_env():
+            self._groups[actor_id] = PyNcclCommunicator(pg, device=self.device_index)
+        self.stats["joins"] += 1
+        log.info("nccl weights: actor %d joined (group of %d)", actor_id, world)
+
+    def _transfer(self, actor_id: int, snap: _Snapshot) -> None:
+        import torch
+
+        comm = self._groups.get(actor_id)
+        if comm is None:
+            raise RuntimeError("no group (join failed)")
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + self.timeout_s
+        sizes = [a.nbytes for a in snap.arrays]
+        chunks = plan_chunks(sizes, self.buffer_bytes)
+        cap = max(sum(sizes[i] for i in c) for c in chunks)
+        if not self._buffers or self._buffers[0].numel() < cap:
+            self._buffers = [torch.empty(cap, dtype=torch.uint8, device=self.device_index)
+                             for _ in range(self.num_buffers)]
+        done = [None] * self.num_buffers
+        for k, chunk in enumerate(chunks):
+            slot = k % self.num_buffers
+            if done[slot] is not None:  # the slot's previous broadcast must have left
+                _wait(done[slot], deadline)
+            buf, offset = self._buffers[slot], 0
+            with torch.cuda.stream(self._copy_stream):
+                for i in chunk:
+                    buf[offset:offset + sizes[i]].copy_(_bytes_view(snap.arrays[i]))
+                    offset += sizes[i]
+                copied = torch.cuda.Event()
+                copied.record(self._copy_stream)
+            self._nccl_stream.wait_event(copied)
+            comm.broadcast(buf[:offset], src=0, stream=self._nccl_stream)
+            done[slot] = torch.cuda.Event()
+            done[slot].record(self._nccl_stream)
+        for event in done:
+            if event is not None:
+                _wait(event, deadline)
+        self.stats["transfers"] += 1
+        self.stats["bytes"] += sum(sizes)
+        self.stats["seconds"] += time.perf_counter() - t0
+        log.info("nccl weights: v%d to actor %d, %.1f MB in %.2f s", snap.version, actor_id,
+                 sum(sizes) / 1e6, time.perf_counter() - t0)
+
+    def _forget(self, actor_id: int, abort: bool, keep_member: bool = False) -> None:
+        comm = self._groups.pop(actor_id, None)
+        if not keep_member:
+            with self._lock:
+                self._members.discard(actor_id)
+        if comm is None:
+            return
+        try:
+            if abort:  # frees a broadcast that waits for a peer that is gone
+                self.stats["aborted"] += 1
+                comm.nccl.ncclCommAbort(comm.comm)
+                comm.disabled = True
+            else:
+                comm.destroy()
+        except Exception as exc:  # best effort: the group is unusable either way
+            log.warning("nccl weights: closing actor %d's group: %s", actor_id, exc)
+
+
+def _bytes_view(arr: np.ndarray):
+    import torch
+
+    with warnings.catch_warnings():  # snapshots are read-only views; only read here
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+
+
+def _wait(event, deadline: float) -> None:
+    """Poll a CUDA event until it completes; TransferTimeout at the deadline (a blocking
+    synchronize would wait forever for a peer that died)."""
+    while not event.query():
+        if time.monotonic() > deadline:
+            raise TransferTimeout("broadcast did not complete (actor gone?)")
+        time.sleep(0.0005)
