@@ -6,6 +6,14 @@ learner's admission control bounds staleness), generate a group with the rollout
 it (blocking while the learner is behind: backpressure, never a drop). A background task
 polls for newer weights and loads them without restarting the engine; tokens sampled
 after that carry the new version.
+
+Surviving a learner restart (issue 7): a request that times out is retried with backoff
+until ``transport.connect_timeout_s`` of silence (ZeroMQ reconnects by itself; finished
+groups wait in the PUSH queue meanwhile); a learner that answers "hello_required" gets a
+new Hello; a learner whose published version is behind this actor's weights (it resumed
+from an older checkpoint) makes the actor load that version before it generates more.
+Data position: the stream continues at ``saved_position`` (RUN_DIR/state.json), and the
+actor reports the earliest prompt it has not yet delivered as ``data_pos``.
 """
 
 from __future__ import annotations
@@ -21,10 +29,13 @@ from actors.engine import GenerationEngine
 from actors.rollout import Rollout
 from arpo_async import protocol as P
 from arpo_async.metrics import append_jsonl, probe_sequence
-from arpo_async.tasks import PromptSource
-from arpo_async.transport import ControlClient, TrajectorySender
+from arpo_async.tasks import PromptSource, saved_position
+from arpo_async.transport import ControlClient, TrajectorySender, TransportTimeout
 
 log = logging.getLogger("actor")
+
+HELLO_REQUIRED = "hello_required"  # learner/service.py: a learner that has not met us
+_RETRY_S = (0.5, 5.0)  # first and longest wait between retries of an unanswered request
 
 
 class Actor:
@@ -43,14 +54,31 @@ class Actor:
         self.idle_s = 0.0
         self.started = time.time()
         self._weights_lock = asyncio.Lock()
+        self._learner_version = -1  # newest version the learner said it publishes
+        self._lost_contact = False  # a request timed out: say Hello when it answers again
+        self._in_flight: set[int] = set()  # stream positions of prompts not yet delivered
         self._probe_path = Path(cfg.run.dir) / f"actor{actor_id}_probe.jsonl"
 
     # ------------------------------------------------------------------ weights
     async def sync_weights(self) -> None:
+        """Load newer weights; or, when the learner is behind us (it resumed from an older
+        checkpoint), load the version it publishes now."""
         async with self._weights_lock:
-            update = await self.control.fetch_weights(self.engine.version, self.actor_id)
-            if update is None or update.version <= self.engine.version:
+            behind = 0 <= self._learner_version < self.engine.version
+            have = -1 if behind else self.engine.version
+            reply = await self._request(P.WeightsRequest(self.actor_id, have))
+            if not isinstance(reply, (P.WeightsUpdate, P.Ack)) or (
+                    isinstance(reply, P.Ack) and not reply.ok):
+                detail = reply.reason if isinstance(reply, P.Ack) else type(reply).__name__
+                raise P.ProtocolError("refused", f"weights request: {detail}")
+            update = reply if isinstance(reply, P.WeightsUpdate) else None
+            if update is None or update.version == self.engine.version \
+                    or (update.version < self.engine.version and not behind):
                 return
+            if behind:
+                log.warning("actor %d: the learner restarted at v%d, behind our v%d: "
+                            "loading its weights", self.actor_id, update.version,
+                            self.engine.version)
             paused = await self.engine.update_weights(update.tensors, update.version)
             self.updates += 1
             self.pause_s += paused
@@ -61,38 +89,90 @@ class Actor:
                 lp = await self.engine.sequence_logprobs(prompt, tokens)
                 append_jsonl(self._probe_path, {"version": update.version, "logprobs": lp})
 
+    async def _request(self, msg):
+        """``control.request`` retried with backoff while the learner is away (restart,
+        network); gives up after ``transport.connect_timeout_s`` without an answer."""
+        delay = _RETRY_S[0]
+        t0 = time.monotonic()
+        while True:
+            try:
+                reply = await self.control.request(msg)
+                break
+            except TransportTimeout:
+                self._lost_contact = True
+                waited = time.monotonic() - t0
+                if waited > self.cfg.transport.connect_timeout_s:
+                    raise
+                log.warning("actor %d: no answer to %s for %.0f s; retrying (learner down?)",
+                            self.actor_id, msg.KIND, waited)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _RETRY_S[1])
+        self._learner_version = getattr(reply, "learner_version", self._learner_version)
+        if getattr(reply, "reason", "") == HELLO_REQUIRED:
+            await self._hello("the learner restarted")
+        elif self._lost_contact:
+            # a retried request may have been granted twice: a Hello lets the learner
+            # release the tickets we hold (learner/service.py)
+            await self._hello("the learner answers again")
+        return reply
+
+    async def _hello(self, why: str) -> None:
+        self._lost_contact = False
+        hello = P.Hello(self.actor_id, os.getpid(), socket.gethostname(), self.engine.version)
+        await self._request(hello)
+        log.info("actor %d: said hello again (%s)", self.actor_id, why)
+
     async def _weights_loop(self) -> None:
         while not self.stop:
             try:
-                ack = await self.control.request(
-                    P.Heartbeat(self.actor_id, self.engine.version, self.stats()))
-                if ack.learner_version > self.engine.version:
+                if self._learner_version != self.engine.version and self._learner_version >= 0:
                     await self.sync_weights()
             except Exception as exc:  # keep polling: the learner may be restarting
+                log.warning("actor %d: weight sync failed: %s", self.actor_id, exc)
+            await asyncio.sleep(self.cfg.actors.weight_poll_s)
+
+    async def _heartbeat_loop(self) -> None:
+        """Heartbeats on their own, so that a slow weight fetch never looks like a dead
+        actor to the learner (which releases a silent actor's tickets)."""
+        while not self.stop:
+            try:
+                await self._request(P.Heartbeat(self.actor_id, self.engine.version,
+                                                self.stats()))
+            except Exception as exc:  # keep beating: the learner may be restarting
                 log.warning("actor %d: heartbeat failed: %s", self.actor_id, exc)
             await asyncio.sleep(self.cfg.actors.weight_poll_s)
 
     # ------------------------------------------------------------------ slots
     async def _slot(self) -> None:
+        backoff = 0.02  # seconds before asking again after a capacity refusal
         while not self.stop:
             t0 = time.perf_counter()
-            grant = await self.control.request(
-                P.TicketRequest(self.actor_id, self.engine.version, 1))
+            grant = await self._request(P.TicketRequest(self.actor_id, self.engine.version, 1))
             if grant.stop:
                 self.stop = True
                 break
             if not grant.granted:
-                if grant.reason.startswith("stale"):
+                if grant.reason == HELLO_REQUIRED:
+                    pass  # _request said hello; ask again
+                elif grant.reason.startswith("stale"):
                     await self.sync_weights()
-                else:  # at capacity: the learner frees tickets as it trains
-                    await asyncio.sleep(0.02 if grant.reason == "capacity" else 0.2)
+                else:  # at capacity: tickets free up as the learner trains; back off
+                    await asyncio.sleep(backoff if grant.reason == "capacity" else 0.2)
+                    backoff = min(backoff * 2, 0.32)
                 self.idle_s += time.perf_counter() - t0
                 continue
+            backoff = 0.02
             self.idle_s += time.perf_counter() - t0
+            if 0 <= self._learner_version < self.engine.version:
+                await self.sync_weights()  # never generate with weights the learner lost
+            pos = self.source.position
+            self._in_flight.add(pos)
             group = await self.rollout.run(self.source.next(), self.actor_id)
-            group.stats = {"gen_s": time.time() - group.created_at}
+            group.stats = {"gen_s": time.time() - group.created_at, "pid": float(os.getpid()),
+                           "data_pos": float(pos)}
             group.sent_at = time.time()
             await self.sender.send(group)
+            self._in_flight.discard(pos)
             self.groups_sent += 1
             self.model_tokens += sum(int(leaf.loss_mask.sum()) for leaf in group.leaves)
             self.tool_calls += group.tool_calls_executed
@@ -102,10 +182,18 @@ class Actor:
         out = {"groups_sent": self.groups_sent, "model_tokens": self.model_tokens,
                "tokens_per_s": self.model_tokens / elapsed, "weight_updates": self.updates,
                "pause_s": self.pause_s, "idle_s": self.idle_s, "tool_calls": self.tool_calls,
-               "version": self.engine.version}
+               "version": self.engine.version,
+               # for idle fractions (arpo_async/experiments.py): slot-seconds = elapsed * slots
+               "elapsed_s": elapsed, "send_blocked_s": getattr(self.sender, "blocked_s", 0.0),
+               # restart bookkeeping (learner/service.py): incarnation and data position
+               "pid": float(os.getpid()), "data_pos": float(self.data_position())}
         if self.tools is not None:
             out |= {f"tools/{k}": v for k, v in self.tools.stats().items()}
         return out
+
+    def data_position(self) -> int:
+        """The earliest stream position not yet delivered: where a restart continues."""
+        return min(self._in_flight) if self._in_flight else self.source.position
 
     async def _connect(self) -> None:
         """Handshake, retried while the learner starts (DeepSpeed start-up takes a while)."""
@@ -122,14 +210,21 @@ class Actor:
                          self.control.endpoint)
 
     async def run(self) -> None:
+        start = saved_position(self.cfg.run.dir, self.actor_id)
+        if start:
+            self.source.seek(start)
+            log.info("actor %d: continuing the prompt stream at position %d", self.actor_id,
+                     start)
         await self._connect()
         await self.sync_weights()
-        poller = asyncio.create_task(self._weights_loop())
+        pollers = [asyncio.create_task(self._weights_loop()),
+                   asyncio.create_task(self._heartbeat_loop())]
         try:
             await asyncio.gather(*[self._slot() for _ in range(self.cfg.actors.concurrent_groups)])
         finally:
             self.stop = True
-            poller.cancel()
-            await asyncio.gather(poller, return_exceptions=True)
-        await self.control.request(P.Bye(self.actor_id, self.groups_sent, self.stats()))
+            for task in pollers:
+                task.cancel()
+            await asyncio.gather(*pollers, return_exceptions=True)
+        await self._request(P.Bye(self.actor_id, self.groups_sent, self.stats()))
         log.info("actor %d done: %d groups sent", self.actor_id, self.groups_sent)
