@@ -1,10 +1,20 @@
 """Process supervision for ``arpo_async.launch``: resolve the config, start the roles,
-watch them, restart dead actors, stop everything cleanly, write the summary."""
+watch them, restart what died, stop everything cleanly, write the summary.
+
+Faults (issue 7): a dead actor is restarted after a backoff (``actors.restart_backoff_s``,
+doubling, at most 30 s) while the learner keeps training with the others; after
+``actors.max_restarts`` restarts it is given up (the run goes on while any actor is
+left). A dead learner is restarted with ``--resume`` from its newest checkpoint up to
+``learner.max_restarts`` times; the running actors reconnect by themselves.
+``--resume RUN_DIR`` (the launcher itself died) adopts the actors of RUN_DIR that are
+still running and starts the rest. Every exit, restart and adoption is a line in
+``RUN_DIR/events.jsonl``."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -33,6 +43,7 @@ def resolve(args) -> Config:
         cfg = load_config(args.config, args.overrides)
     if args.quiet:
         cfg.run.quiet = True
+    _check_security(cfg)
     if not args.dry_run:
         from arpo_async.tiny_model import ensure_model
 
@@ -46,6 +57,24 @@ def resolve(args) -> Config:
     if t.control_port == 0:
         t.control_port = _free_port(t.host)
     return cfg
+
+
+def _check_security(cfg: Config) -> None:
+    """A non-loopback bind needs CurveZMQ keys in RUN_DIR/keys, or transport.insecure
+    (then a warning says what is exposed)."""
+    from arpo_async.keys import SecurityError, is_loopback, keys_dir, require_security
+
+    host = cfg.transport.host
+    try:
+        keys = require_security(host, cfg.transport.insecure, keys_dir(cfg.run.dir))
+    except SecurityError as exc:
+        raise ConfigError(str(exc)) from None
+    except (FileNotFoundError, ValueError) as exc:
+        raise ConfigError(f"CurveZMQ keys: {exc}") from None
+    if keys is None and not is_loopback(host):
+        print(f"WARNING: binding {host} WITHOUT encryption or authentication "
+              "(transport.insecure=true): anyone who can reach the ports can send trajectories "
+              "and fetch weights", file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -83,6 +112,81 @@ class Role:
             return "(no log)"
 
 
+_ACTOR_DONE = re.compile(r"actor \d+ done: \d+ groups sent")
+
+
+class _Adopted:
+    """A role process an earlier launcher started (``--resume``), watched by pid like a
+    Popen. Its exit code cannot be read (it is not our child): 0 when ``clean()`` says
+    it finished normally, else -1."""
+
+    def __init__(self, pid: int, clean=lambda: False):
+        self.pid, self.returncode, self.clean = pid, None, clean
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not _alive(self.pid):
+            self.returncode = 0 if self.clean() else -1
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout)
+            time.sleep(0.1)
+        return self.returncode
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, whose parent died and was not reaped, is not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+    except OSError:
+        return []
+
+
+def _adopt(roles: list[Role], run_dir: Path, events: Events) -> None:
+    """--resume: take over the roles of processes.json that still run the same command."""
+    from learner.checkpoint import read_json
+
+    pids = read_json(run_dir / "processes.json") or {}
+    for role in roles:
+        pid = pids.get(role.name)
+        if not isinstance(pid, int) or not _alive(pid):
+            continue
+        if role.name == "learner":
+            if "learner.main" in _cmdline(pid):
+                raise ConfigError(f"--resume: the learner of {run_dir} is still running (pid "
+                                  f"{pid}); stop it first (kill it) or let it finish")
+            continue
+        if _cmdline(pid)[1:] != role.cmd[1:]:  # the pid now belongs to something else
+            continue
+        # an actor that stopped because the learner said so logs "... done: N groups sent"
+        role.proc = _Adopted(pid, clean=lambda r=role: _ACTOR_DONE.search(r.tail(20)) is not None)
+        role.history.append({"event": "adopt", "pid": pid, "time": time.time()})
+        events.log("adopt", role.name, pid=pid)
+
+
+class Events:
+    """RUN_DIR/events.jsonl: one line per start, exit, restart, give-up or adoption."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / "events.jsonl"
+
+    def log(self, event: str, role: str, **fields) -> None:
+        from arpo_async.metrics import append_jsonl
+
+        append_jsonl(self.path, {"time": time.time(), "event": event, "role": role, **fields})
+
+
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
@@ -103,10 +207,18 @@ def plan(cfg: Config, config_path: Path) -> list[Role]:
                        f"--master-port={_free_port('127.0.0.1')}", "-m", "learner.main",
                        "--config", str(config_path)]
     roles = [Role("learner", learner_cmd, env, logs / "learner.log")]
-    for i in range(cfg.actors.num):
-        aenv = dict(env, OMP_NUM_THREADS=str(cfg.actors.threads))
-        roles.append(Role(f"actor{i}", [py, "-m", "actors.main", "--config", str(config_path),
-                                        "--actor-id", str(i)], aenv, logs / f"actor{i}.log"))
+    aenv = dict(env, OMP_NUM_THREADS=str(cfg.actors.threads))
+    per = cfg.sim.actors_per_process if cfg.actors.engine == "simulated" else 1
+    for first in range(0, cfg.actors.num, per):
+        last = min(first + per, cfg.actors.num) - 1
+        if per == 1:
+            roles.append(Role(f"actor{first}", [py, "-m", "actors.main", "--config",
+                                                str(config_path), "--actor-id", str(first)],
+                              aenv, logs / f"actor{first}.log"))
+        else:  # simulated actors share a process (actors/sim_engine.py)
+            roles.append(Role(f"actors{first}-{last}", [
+                py, "-m", "actors.sim_engine", "--config", str(config_path),
+                "--actor-ids", f"{first}-{last}"], aenv, logs / f"actors{first}-{last}.log"))
     return roles
 
 
@@ -115,12 +227,17 @@ def launch(args) -> int:
     run_dir = Path(cfg.run.dir)
     config_path = run_dir / "config.yaml"
     roles = plan(cfg, config_path)
+    if args.resume:
+        roles[0].cmd = _with_resume(roles[0].cmd)
     if args.dry_run:
         print(f"config OK; run folder {run_dir}")
         for r in roles:
             print(f"  {r.name:10s} on localhost: {' '.join(r.cmd)}")
         return 0
     run_dir.mkdir(parents=True, exist_ok=True)
+    events = Events(run_dir)
+    if args.resume:
+        _adopt(roles, run_dir, events)
     save_config(cfg, config_path)
     from arpo_async.dsops import prebuild_deepspeed_ops
 
@@ -130,11 +247,13 @@ def launch(args) -> int:
     progress = Progress(cfg)
     t0 = time.time()
     for r in roles:
-        r.start()
+        if r.proc is None:
+            r.start()
+            events.log("start", r.name, pid=r.proc.pid)
     _write_processes(run_dir, roles)
     status, reason = "ok", ""
     try:
-        status, reason = _watch(cfg, roles, progress, run_dir)
+        status, reason = _watch(cfg, roles, progress, run_dir, events)
     except KeyboardInterrupt:
         status, reason = "interrupted", "Ctrl-C"
     finally:
@@ -150,31 +269,72 @@ def launch(args) -> int:
     return 0
 
 
-def _watch(cfg: Config, roles: list[Role], progress, run_dir: Path) -> tuple[str, str]:
+def _with_resume(cmd: list[str]) -> list[str]:
+    """The learner command that continues from the newest checkpoint (a fresh torchrun
+    rendezvous port: the dead one's may linger in TIME_WAIT)."""
+    cmd = [f"--master-port={_free_port('127.0.0.1')}" if c.startswith("--master-port=") else c
+           for c in cmd]
+    return cmd if "--resume" in cmd else cmd + ["--resume"]
+
+
+def _backoff(base_s: float, restarts: int) -> float:
+    return min(base_s * 2.0 ** max(restarts - 1, 0), 30.0)
+
+
+def _watch(cfg: Config, roles: list[Role], progress, run_dir: Path,
+           events: Events) -> tuple[str, str]:
     learner, actors = roles[0], roles[1:]
     learner_done_at = None
+    due: dict[str, float] = {}  # role name -> when to restart it
+    gave_up: list[str] = []
     while True:
         time.sleep(0.5)
         progress.update()
+        now = time.time()
         code = learner.proc.poll()
-        if code is not None and code != 0:
-            return "failed", f"learner exited with code {code}:\n{learner.tail()}"
         if code == 0 and learner_done_at is None:
-            learner_done_at = time.time()
+            learner_done_at = now
+        elif code is not None and code != 0 and learner.name not in due:
+            events.log("exit", learner.name, pid=learner.proc.pid, code=code)
+            if learner.restarts >= cfg.learner.max_restarts:
+                return "failed", (f"learner exited with code {code} after {learner.restarts} "
+                                  f"restarts:\n{learner.tail()}")
+            learner.restarts += 1
+            _signal_group(learner.proc, signal.SIGKILL)  # torchrun ranks left behind
+            learner.cmd = _with_resume(learner.cmd)
+            due[learner.name] = now + _backoff(cfg.actors.restart_backoff_s, learner.restarts)
+            from learner.checkpoint import latest_checkpoint
+
+            ckpt = latest_checkpoint(run_dir)
+            progress.note(f"learner exited with code {code}; restart {learner.restarts} "
+                          + (f"resumes from {ckpt.name}" if ckpt else
+                             "starts from step 0 (no checkpoint; see learner.checkpoint_every)"))
         for a in actors:
             ac = a.proc.poll()
             # exit code 0: the learner told the actor to stop; nothing to restart
-            if ac is None or ac == 0 or learner_done_at is not None:
+            if ac is None or ac == 0 or learner_done_at is not None or a.name in due \
+                    or a.name in gave_up:
                 continue
-            a.history.append({"event": "exit", "code": ac, "time": time.time()})
+            a.history.append({"event": "exit", "code": ac, "time": now})
+            events.log("exit", a.name, pid=a.proc.pid, code=ac)
             if a.restarts >= cfg.actors.max_restarts:
-                return "failed", (f"{a.name} exited with code {ac} after {a.restarts} restarts:"
-                                  f"\n{a.tail()}")
+                gave_up.append(a.name)
+                why = f"{a.name} exited with code {ac} after {a.restarts} restarts; giving up on it"
+                events.log("give_up", a.name, reason=why)
+                progress.note(why)
+                if len(gave_up) == len(actors):
+                    return "failed", f"every actor was given up; last: {why}:\n{a.tail()}"
+                continue
             a.restarts += 1
-            time.sleep(min(2.0 ** a.restarts, 30.0))  # backoff
-            progress.note(f"{a.name} exited with code {ac}; restart {a.restarts}")
-            a.start()
-            _write_processes(run_dir, roles)
+            due[a.name] = now + _backoff(cfg.actors.restart_backoff_s, a.restarts)
+            progress.note(f"{a.name} exited with code {ac}; restart {a.restarts} in "
+                          f"{due[a.name] - now:.0f} s")
+        for r in roles:
+            if r.name in due and now >= due[r.name]:
+                del due[r.name]
+                r.start()
+                events.log("restart", r.name, pid=r.proc.pid, restart=r.restarts)
+                _write_processes(run_dir, roles)
         if learner_done_at is not None:
             if all(a.proc.poll() is not None for a in actors):
                 return "ok", ""
@@ -206,6 +366,7 @@ def _summary(cfg: Config, roles: list[Role], status: str, reason: str, wall: flo
         "step_time_s_mean": _mean(r.get("step_time_s") for r in rows),
         "broadcast_time_s_mean": _mean(r.get("broadcast_time_s") for r in rows),
         "restarts": {r.name: r.restarts for r in roles},
+        "adopted": [r.name for r in roles if any(h["event"] == "adopt" for h in r.history)],
         "ledger": learner.get("ledger", {}), "learner": learner.get("service", {}),
     }
 

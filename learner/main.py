@@ -3,13 +3,17 @@ process per rank (torchrun sets RANK/WORLD_SIZE; a single rank needs no launcher
 
 The loop: receive B admissible groups (rank 0), attribute advantages, split the leaves
 over ranks, take one importance-corrected step, publish weights every ``sync_every``
-steps, log one metrics line.
+steps, checkpoint every ``checkpoint_every`` steps, write the run state
+(``RUN_DIR/state.json``, atomically) and one metrics line.
+
+``--resume`` continues from the newest complete checkpoint (learner/checkpoint.py):
+weights, optimizer state, step = policy version, ledger and data positions; the
+restored version is published at once so that running actors roll back to it.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import socket
@@ -51,12 +55,82 @@ def _broadcast(obj, rank: int, world: int):
     return box[0]
 
 
-def run(cfg) -> dict:
+def _resume_point(cfg, trainer, rank: int, world: int, run_dir: Path) -> dict | None:
+    """Load the newest checkpoint into ``trainer`` (every rank); its metadata, or None."""
+    from learner import checkpoint as C
+
+    ckpt = _broadcast(C.latest_checkpoint(run_dir) if rank == 0 else None, rank, world)
+    if ckpt is None:
+        log.warning("--resume: no complete checkpoint in %s; starting from step 0",
+                    C.checkpoints_dir(run_dir))
+        return None
+    meta = C.read_meta(ckpt)
+    saved = (meta.get("world_size"), meta.get("zero_stage"))
+    if saved != (world, cfg.learner.zero_stage):
+        raise RuntimeError(f"{ckpt} was written by {saved[0]} rank(s) at ZeRO-{saved[1]}; "
+                           f"resuming needs the same (now {world} at ZeRO-"
+                           f"{cfg.learner.zero_stage})")
+    trainer.load_checkpoint(ckpt)
+    log.info("resumed from %s: step %d, policy version %d", ckpt, meta["step"],
+             meta["policy_version"])
+    return meta
+
+
+def _service_resume(run_dir: Path, meta: dict | None) -> dict | None:
+    """What LearnerService.restore needs: the checkpoint's ledger and, when the learner
+    that died wrote a newer run state, that state's ledger."""
+    from learner import checkpoint as C
+
+    if meta is None:
+        return None
+    state = C.read_json(run_dir / C.RUN_STATE)
+    newer = state.get("ledger") if state and state.get("step", -1) >= meta["step"] else None
+    return {"version": meta["policy_version"], "ledger": meta.get("ledger", {}), "newer": newer}
+
+
+def _run_state(cfg, service, step: int, wall: float, restarts: int, world: int) -> dict:
+    """Step, version, counters and data position: RUN_DIR/state.json and checkpoint metadata."""
+    return {"step": step, "policy_version": step, "wall_time": wall, "time": time.time(),
+            "learner_restarts": restarts, "world_size": world,
+            "zero_stage": cfg.learner.zero_stage, "model_path": cfg.model.path,
+            "ledger": service.ledger_state(), "data_position": service.data_positions(),
+            "admission": service.admission.counters(), "staleness": service.filter.stats()}
+
+
+def _checkpoint(cfg, trainer, rank: int, world: int, step: int, state: dict | None) -> float:
+    """Write the checkpoint of ``step`` (collective); seconds taken."""
+    from learner import checkpoint as C
+
+    t0 = time.perf_counter()
+    run_dir = Path(cfg.run.dir)
+    tmp = _broadcast(C.prepare(run_dir, step) if rank == 0 else None, rank, world)
+    trainer.save_checkpoint(tmp, cfg.model.path)
+    if rank == 0:
+        C.commit(run_dir, tmp, step, state, cfg.learner.keep_checkpoints)
+    return time.perf_counter() - t0
+
+
+def _metrics_row(service, step: int, groups: list, stats: dict, train: dict) -> dict:
+    """The metrics.jsonl line of a step (timings are added by the loop)."""
+    snap = service.snapshot()
+    lags = [step - 1 - g.min_version() for g in groups]
+    return {"step": step, "policy_version": step,
+            "reward_mean": stats["reward_mean"], "score_mean": stats["score_mean"],
+            "groups": len(groups), "leaves": stats["leaves"],
+            "tokens": sum(g.num_tokens() for g in groups), "model_tokens": stats["model_tokens"],
+            "staleness_max": max(lags), "staleness_mean": sum(lags) / len(lags),
+            "dropped_stale": snap["dropped_stale"], "actors_alive": service.actors_alive(),
+            "tool_calls": sum(g.tool_calls_executed for g in groups),
+            **train, "service": snap}
+
+
+def run(cfg, resume: bool = False) -> dict:
     import torch
 
     from arpo_async.keys import server_keys_for
     from arpo_async.metrics import MetricsWriter, append_jsonl, probe_sequence
     from learner.batching import balanced_split, samples_from_groups
+    from learner.checkpoint import RUN_STATE, atomic_write_json
     from learner.service import LearnerService
     from learner.trainer import PolicyTrainer
 
@@ -68,10 +142,16 @@ def run(cfg) -> dict:
     log.info("rank %d/%d: building the DeepSpeed engine (ZeRO-%d)", rank, world,
              cfg.learner.zero_stage)
     trainer = PolicyTrainer(cfg, cfg.model.path)
-    service = LearnerService(cfg, keys=server_keys_for(cfg)) if rank == 0 else None
+    meta = _resume_point(cfg, trainer, rank, world, run_dir) if resume else None
+    model_cfg = trainer.engine.module.config
+    service = LearnerService(cfg, keys=server_keys_for(cfg), vocab_size=model_cfg.vocab_size,
+                             max_tokens=getattr(model_cfg, "max_position_embeddings", None),
+                             resume=_service_resume(run_dir, meta)) if rank == 0 else None
     writer = MetricsWriter(run_dir) if rank == 0 else None
-    probe = probe_sequence(trainer.engine.module.config.vocab_size)
-    t_start = time.time()
+    probe = probe_sequence(model_cfg.vocab_size)
+    step = meta["step"] if meta else 0
+    restarts = meta.get("learner_restarts", 0) + 1 if meta else 0
+    t_start = time.time() - (meta["wall_time"] if meta else 0.0)
 
     def publish(version: int) -> float:
         t0 = time.perf_counter()
@@ -85,12 +165,16 @@ def run(cfg) -> dict:
                 append_jsonl(run_dir / "learner_probe.jsonl", {"version": version, "logprobs": lp})
         return time.perf_counter() - t0
 
-    publish(0)
+    publish(step)  # a resumed learner serves its restored version to the running actors
     if rank == 0:
-        log.info("learner ready: trajectories on %s, control on %s", service.receiver.endpoint,
-                 service.control.endpoint)
-    time_up = (lambda: cfg.run.time_limit_s > 0 and time.time() - t_start > cfg.run.time_limit_s)
-    step, broadcast_s = 0, 0.0
+        log.info("learner ready at step %d: trajectories on %s, control on %s", step,
+                 service.receiver.endpoint, service.control.endpoint)
+
+    def time_up() -> bool:
+        return cfg.run.time_limit_s > 0 and time.time() - t_start > cfg.run.time_limit_s
+
+    broadcast_s = 0.0
+    every = cfg.learner.checkpoint_every
     while step < cfg.learner.max_steps:
         t0 = time.perf_counter()
         parts, stats, groups = None, {}, []
@@ -110,40 +194,36 @@ def run(cfg) -> dict:
             service.mark_trained(groups)
         if step % cfg.learner.sync_every == 0 or step == cfg.learner.max_steps:
             broadcast_s = publish(step)
+        state = (_run_state(cfg, service, step, time.time() - t_start, restarts, world)
+                 if rank == 0 else None)
+        checkpoint_s = (_checkpoint(cfg, trainer, rank, world, step, state)
+                        if every and (step % every == 0 or step == cfg.learner.max_steps) else 0.0)
         if rank == 0:
-            snap = service.snapshot()
-            stale = snap["staleness"]
-            writer.write({
-                "step": step, "policy_version": step, "wall_time": time.time() - t_start,
-                "reward_mean": stats["reward_mean"], "score_mean": stats["score_mean"],
-                "groups": len(groups), "leaves": stats["leaves"],
-                "tokens": sum(g.num_tokens() for g in groups),
-                "model_tokens": stats["model_tokens"],
-                "staleness_max": max(step - 1 - g.min_version() for g in groups),
-                "staleness_mean": sum(step - 1 - g.min_version() for g in groups) / len(groups),
-                "dropped_stale": snap["dropped_stale"], "actors_alive": service.actors_alive(),
-                "wait_s": wait_s, "step_time_s": time.perf_counter() - t0,
-                "broadcast_time_s": broadcast_s, "tool_calls": sum(g.tool_calls_executed
-                                                                  for g in groups),
-                **train, "service": snap,
-            })
-    result = {"steps": step, "wall_time_s": time.time() - t_start}
+            atomic_write_json(run_dir / RUN_STATE, state)
+            writer.write(_metrics_row(service, step, groups, stats, train) | {
+                "wall_time": time.time() - t_start, "wait_s": wait_s,
+                "step_time_s": time.perf_counter() - t0, "broadcast_time_s": broadcast_s,
+                "checkpoint_time_s": checkpoint_s, "learner_restarts": restarts})
+    result = {"steps": step, "wall_time_s": time.time() - t_start, "learner_restarts": restarts,
+              "resumed_from": meta["step"] if meta else None}
     if rank == 0:
         result["ledger"] = service.shutdown(wait_s=cfg.transport.timeout_s)
         result["service"] = service.snapshot()
         writer.close()
-        (run_dir / "learner_summary.json").write_text(json.dumps(result, indent=1))
+        atomic_write_json(run_dir / "learner_summary.json", result)
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="learner.main", description=__doc__)
     parser.add_argument("--config", required=True, help="resolved config.yaml of the run")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest checkpoint in run_dir/checkpoints")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from arpo_async.config import load_config
 
-    run(load_config(args.config))
+    run(load_config(args.config), resume=args.resume)
     return 0
 
 

@@ -4,44 +4,154 @@ Actors ask for tickets before starting a group (admission control keeps the numb
 groups in flight within the staleness bound), send finished groups on the trajectory
 channel, and fetch weights over the control channel. This class owns both sockets, the
 admission controller and the staleness filter, and keeps an exact per-actor ledger:
-every group an actor says it sent is either trained on or dropped with a reason.
+every group an actor says it sent is trained on, dropped with a reason, or counted lost.
 The control handler runs on the transport's server thread, hence the lock.
+
+Faults it survives (issue 7):
+- hostile input: a group that decodes but is not trainable (token ids outside the
+  vocabulary, non-finite numbers, a broken tree...) is rejected by ``check_group`` and
+  counted under ``rejected/group/<reason>``; the trainer only ever sees checked groups.
+- a restarted actor (a Hello with a new pid): the old incarnation's tickets are released;
+  its groups still in the pipe are counted but never release capacity twice.
+- a silent actor (stopped, or dead and not yet restarted) for ``learner.actor_silent_s``:
+  its tickets are released ("actor_silent") so the others keep the learner busy; its late
+  groups are dropped as stale and counted, without releasing capacity again.
+- a lost connection: an actor whose requests timed out says Hello again once it hears
+  from us; its outstanding tickets are released then, since a retried ticket request
+  may have been granted twice (the grant for the timed-out one is never used).
+- a learner restart: ``restore`` reloads the ledger from the checkpoint and the run state;
+  actors that kept running are asked to say Hello again ("hello_required"), and groups
+  granted by the dead learner are accepted without a ticket (counted "untracked"): they
+  can only loosen admission by the groups then in flight, and the staleness filter still
+  drops anything older than eta.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
+import zmq
+
 from arpo_async import protocol as P
 from arpo_async.config import Config
+from arpo_async.plan import total_actors
+from arpo_async.remote import ConfigServer
 from arpo_async.staleness import Admission, StalenessFilter
 from arpo_async.transport import ControlServer, TrajectoryReceiver
 
 log = logging.getLogger("learner.service")
 
+HELLO_REQUIRED = "hello_required"
+_SHUTDOWN_QUIET_S = 3.0  # after every Bye, this long without a group means none is coming
+_SHUTDOWN_MAX_S = 300.0  # the longest a learner waits for live actors' Bye at the end
+_LEAVES_PER_GROUP_SIZE = 4  # a group may hold at most this many times rollout.group_size leaves
+
 
 @dataclass
 class ActorLedger:
-    pid: int = 0
-    granted: int = 0  # tickets granted to the current incarnation
-    received: int = 0  # groups received from the current incarnation
-    sent_total: int = -1  # from Bye; -1 until the actor said goodbye
+    pid: int = 0  # current incarnation (from Hello)
+    hello: bool = False  # said Hello to this learner process
+    granted: int = 0  # tickets granted to the current incarnation by this learner
+    used: int = 0  # of those, groups received
+    orphaned: int = 0  # groups in flight whose tickets were released while it was silent
+    bye: bool = False
     received_total: int = 0
     trained: int = 0
     dropped: Counter = field(default_factory=Counter)
+    sent_by_pid: dict = field(default_factory=dict)  # incarnation -> groups it said it sent
+    received_by_pid: dict = field(default_factory=dict)
     version: int = -1
     last_seen: float = 0.0
     stats: dict = field(default_factory=dict)
 
+    def sent(self) -> int:
+        """Groups sent over all incarnations; a dead one counts at least what arrived."""
+        pids = set(self.sent_by_pid) | set(self.received_by_pid)
+        return sum(max(self.sent_by_pid.get(p, 0), self.received_by_pid.get(p, 0))
+                   for p in pids)
+
+    def lost(self) -> int:
+        return self.sent() - self.received_total
+
+    def to_state(self) -> dict:
+        return {"pid": self.pid, "received_total": self.received_total,
+                "trained": self.trained, "dropped": dict(self.dropped),
+                "sent_by_pid": {str(k): v for k, v in self.sent_by_pid.items()},
+                "received_by_pid": {str(k): v for k, v in self.received_by_pid.items()},
+                "data_pos": self.stats.get("data_pos")}
+
+    @classmethod
+    def from_state(cls, d: dict) -> ActorLedger:
+        led = cls(pid=int(d.get("pid", 0)), received_total=int(d.get("received_total", 0)),
+                  trained=int(d.get("trained", 0)), dropped=Counter(d.get("dropped", {})))
+        led.sent_by_pid = {int(k): int(v) for k, v in d.get("sent_by_pid", {}).items()}
+        led.received_by_pid = {int(k): int(v) for k, v in d.get("received_by_pid", {}).items()}
+        if d.get("data_pos") is not None:
+            led.stats["data_pos"] = d["data_pos"]
+        return led
+
+
+def _count(value, default: int) -> int:
+    """A non-negative integer from a peer's stats (floats on the wire), else ``default``:
+    a NaN or absurd number from a peer must not raise in the learner."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) \
+            and math.isfinite(value) and 0 <= value < 2**62:
+        return int(value)
+    return default
+
+
+def check_group(group: P.TrajectoryGroup, vocab_size: int | None, max_tokens: int | None,
+                max_leaves: int = 4096) -> str:
+    """"" when ``group`` is safe to train on, else the reason it is not."""
+    if group.actor_id < 0 or group.actor_id >= 2**31:
+        return "actor_id"
+    if not group.leaves or len(group.leaves) > max_leaves:
+        return "leaves"
+    if group.prompt_tokens.size == 0:
+        return "empty_prompt"
+    for arr in [group.prompt_tokens] + [leaf.tokens for leaf in group.leaves]:
+        if arr.size and (arr.min() < 0 or (vocab_size is not None and arr.max() >= vocab_size)):
+            return "token_id"
+    for leaf in group.leaves:
+        if max_tokens is not None and group.prompt_tokens.size + len(leaf) > max_tokens:
+            return "too_long"
+        if leaf.loss_mask.size and leaf.loss_mask.max() > 1:
+            return "loss_mask"
+        model = leaf.loss_mask > 0
+        lp = leaf.logprobs[model]
+        if not np.all(np.isfinite(lp)) or (lp.size and lp.max() > 1e-3):
+            return "logprobs"
+        if leaf.versions[model].size and leaf.versions[model].min() < 0:
+            return "versions"
+        if not (math.isfinite(leaf.reward) and math.isfinite(leaf.score)):
+            return "reward"
+    try:  # a tree (parents, branch points), whichever attribution the learner uses
+        from learner.advantages import token_advantages
+
+        token_advantages(group.leaves, np.array([leaf.reward for leaf in group.leaves]), "hard")
+    except (ValueError, IndexError) as exc:
+        log.debug("group %s: bad tree: %s", group.group_id[:40], exc)
+        return "tree"
+    return ""
+
 
 class LearnerService:
-    def __init__(self, cfg: Config, keys=None):
+    def __init__(self, cfg: Config, keys=None, vocab_size: int | None = None,
+                 max_tokens: int | None = None, resume: dict | None = None):
+        """``vocab_size``/``max_tokens`` bound what ``check_group`` accepts; ``resume``
+        ({"version", "ledger", "newer"}) restores a checkpoint's state before the control
+        channel opens, so no ticket is granted against the wrong counters."""
         t = cfg.transport
         max_bytes = int(t.max_message_mb * 2**20)
+        self.cfg = cfg
+        self.vocab_size, self.max_tokens = vocab_size, max_tokens
+        self.max_leaves = _LEAVES_PER_GROUP_SIZE * cfg.rollout.group_size
         self.receiver = TrajectoryReceiver(f"tcp://{t.host}:{t.trajectory_port}", hwm=t.recv_hwm,
                                            max_bytes=max_bytes, curve=keys)
         self.control = ControlServer(f"tcp://{t.host}:{t.control_port}", self._handle,
@@ -53,12 +163,24 @@ class LearnerService:
         self.published = -1  # newest version actors can fetch
         self.stopping = False
         self.actors: dict[int, ActorLedger] = {}
+        self.invalid: Counter = Counter()  # groups that decoded but cannot be trained on
+        self.events: Counter = Counter()  # untracked groups, expired tickets, restarts...
         self.wait_s = 0.0  # time spent waiting for trajectories
         # No tickets until every actor said hello (or the wait ran out), so that one
         # fast-starting actor does not generate a short run's whole first batches.
-        self.expected_actors = cfg.actors.num
+        self.expected_actors = total_actors(cfg)  # local and remote (cluster.remote_actors)
         self.gate_deadline = time.monotonic() + cfg.actors.start_wait_s
-        self.gate_open = cfg.actors.num <= 1
+        self.gate_open = self.expected_actors <= 1
+        # actors on other machines ask here for the config (arpo_async/remote.py); vLLM GPU
+        # actors on this machine may take weights over NCCL (learner/weight_sync.py)
+        self.config_server = ConfigServer(cfg)
+        self.fast_weights = None
+        if cfg.learner.weight_sync == "nccl":
+            from learner.weight_sync import NcclWeightServer
+
+            self.fast_weights = NcclWeightServer.create(cfg)
+        if resume is not None:
+            self.restore(resume["version"], resume["ledger"], resume.get("newer"))
         self.control.start()
 
     # ---------------------------------------------------------------- control thread
@@ -69,29 +191,56 @@ class LearnerService:
         with self.lock:
             if isinstance(msg, P.TicketRequest):
                 return self._ticket(msg)
+            if isinstance(msg, P.ConfigRequest):  # before the ledger: not an actor yet
+                return self.config_server.handle(
+                    msg, {i: a.last_seen for i, a in self.actors.items()})
+            if isinstance(msg, (P.NcclJoinRequest, P.NcclWeightsRequest)):
+                if self.fast_weights is None:
+                    return P.Ack(ok=False, reason="learner.weight_sync is zmq")
+                return self.fast_weights.handle(msg)
             led = self._ledger(msg.actor_id) if hasattr(msg, "actor_id") else None
             if led is not None:
                 led.last_seen = time.time()
             if isinstance(msg, P.Hello):
-                if led.pid and led.pid != msg.pid:  # a restarted actor: its tickets are void
-                    self._release(led, "actor_restart")
-                led.pid, led.version = msg.pid, msg.version
-                log.info("actor %d connected (pid %d, version %d)", msg.actor_id, msg.pid,
-                         msg.version)
+                self._hello(led, msg)
             elif isinstance(msg, P.Heartbeat):
                 led.version, led.stats = msg.version, dict(msg.stats)
+                pid = _count(msg.stats.get("pid"), led.pid)
+                if pid and "groups_sent" in msg.stats:
+                    led.sent_by_pid[pid] = _count(msg.stats["groups_sent"], 0)
+                if not led.hello:
+                    return P.Ack(ok=False, reason=HELLO_REQUIRED, learner_version=self.published)
             elif isinstance(msg, P.Bye):
-                led.sent_total, led.stats = msg.groups_sent, dict(msg.stats)
+                led.bye, led.stats = True, dict(msg.stats)
+                led.sent_by_pid[_count(msg.stats.get("pid"), led.pid)] = max(msg.groups_sent, 0)
                 log.info("actor %d said bye after %d groups", msg.actor_id, msg.groups_sent)
             return P.Ack(ok=True, learner_version=self.published)
+
+    def _hello(self, led: ActorLedger, msg: P.Hello) -> None:
+        if led.pid and led.pid != msg.pid:  # a restarted actor: its tickets are void
+            self._release(led, "actor_restart")
+            self.events["actor_restarts"] += 1
+        elif led.hello:
+            # The same process after losing us for a while: ticket requests it retried may
+            # have been granted twice, and only it knows. Release what is outstanding; its
+            # groups in flight then arrive as orphans (counted, never released twice).
+            led.orphaned += self._release(led, "actor_reconnect")
+            self.events["actor_reconnects"] += 1
+        led.pid, led.version, led.hello, led.bye = msg.pid, msg.version, True, False
+        led.sent_by_pid.setdefault(msg.pid, 0)
+        log.info("actor %d connected (pid %d, version %d)", msg.actor_id, msg.pid, msg.version)
 
     def _ticket(self, msg: P.TicketRequest) -> P.TicketGrant:
         led = self._ledger(msg.actor_id)
         led.last_seen, led.version = time.time(), msg.version
         if self.stopping:
             return P.TicketGrant(0, self.published, stop=True, reason="stopping")
+        if not led.hello:
+            return P.TicketGrant(0, self.published, reason=HELLO_REQUIRED)
+        if msg.version > self.published >= 0:  # the learner restarted behind this actor
+            return P.TicketGrant(0, self.published, reason="stale_ahead")
         if not self.gate_open:
-            connected = sum(1 for a in self.actors.values() if a.pid)
+            connected = sum(1 for a in self.actors.values() if a.hello)
             if connected < self.expected_actors and time.monotonic() < self.gate_deadline:
                 return P.TicketGrant(0, self.published, reason="waiting_for_actors")
             self.gate_open = True
@@ -99,32 +248,79 @@ class LearnerService:
         led.granted += granted
         return P.TicketGrant(granted, self.published, reason=reason)
 
-    def _release(self, led: ActorLedger, reason: str) -> None:
-        outstanding = led.granted - led.received
+    def _release(self, led: ActorLedger, reason: str) -> int:
+        outstanding = led.granted - led.used
         if outstanding > 0:
             self.admission.release(outstanding, reason)
-        led.granted = led.received = 0
+        led.granted = led.used = 0
+        return max(outstanding, 0)
 
     # ---------------------------------------------------------------- main thread
+    def _uses_ticket(self, led: ActorLedger, group: P.TrajectoryGroup) -> bool:
+        """Whether ``group`` used a ticket still counted by admission (see module doc)."""
+        pid = _count(group.stats.get("pid"), led.pid)
+        led.received_by_pid[pid] = led.received_by_pid.get(pid, 0) + 1
+        if pid != led.pid:  # an earlier incarnation: released at its successor's Hello
+            return False
+        if led.orphaned > 0:
+            led.orphaned -= 1
+            return False
+        if led.used < led.granted:
+            led.used += 1
+            return True
+        return False
+
     def _accept(self, group: P.TrajectoryGroup) -> bool:
+        reason = check_group(group, self.vocab_size, self.max_tokens, self.max_leaves)
         with self.lock:
+            if reason:
+                self.invalid[reason] += 1
+                return False
             led = self._ledger(group.actor_id)
-            led.received += 1
             led.received_total += 1
-            keep, reason = self.filter.check(self.version, group.min_version())
+            ticketed = self._uses_ticket(led, group)
+            keep, why = self.filter.check(self.version, group.min_version())
             if not keep:
-                led.dropped[reason] += 1
-                self.admission.release(1, reason)
+                led.dropped[why] += 1
+                if ticketed:
+                    self.admission.release(1, why)
+            elif not ticketed:
+                self.events["untracked"] += 1
             return keep
 
-    def collect(self, n: int, timeout_s: float, should_stop=lambda: False) -> list[P.TrajectoryGroup]:
+    def expire_silent(self, now: float | None = None) -> int:
+        """Release the tickets of actors silent for ``learner.actor_silent_s``."""
+        now = time.time() if now is None else now
+        released = 0
+        with self.lock:
+            for actor_id, led in self.actors.items():
+                if led.granted > led.used and now - led.last_seen > self.cfg.learner.actor_silent_s:
+                    n = self._release(led, "actor_silent")
+                    led.orphaned += n
+                    released += n
+                    log.warning("actor %d silent for %.0f s: released its %d tickets", actor_id,
+                                now - led.last_seen, n)
+        return released
+
+    def _recv(self, timeout_s: float) -> P.TrajectoryGroup | None:
+        try:
+            return self.receiver.recv(timeout_s=timeout_s)
+        except zmq.Again:
+            # A poll that woke without a message: seen once, after a peer without CurveZMQ
+            # keys tried a CURVE socket. It must not end the learner.
+            self.events["recv_again"] += 1
+            return None
+
+    def collect(self, n: int, timeout_s: float,
+                should_stop=lambda: False) -> list[P.TrajectoryGroup]:
         """Block until ``n`` admissible groups arrived; stale ones are dropped and counted."""
         groups: list[P.TrajectoryGroup] = []
         t0 = time.perf_counter()
         last = time.monotonic()
         while len(groups) < n:
-            group = self.receiver.recv(timeout_s=0.5)
+            group = self._recv(0.5)
             if group is None:
+                self.expire_silent()
                 if should_stop():
                     break
                 if time.monotonic() - last > timeout_s:
@@ -146,50 +342,117 @@ class LearnerService:
     def publish(self, version: int, tensors, bf16_names=()) -> None:
         # the trainer hands over fresh copies, so the transport need not copy again
         self.control.publish_weights(version, tensors, bf16_names=bf16_names, copy=False)
+        if self.fast_weights is not None:
+            self.fast_weights.publish(version, tensors, bf16_names)
         with self.lock:
             self.published = version
 
-    def actors_alive(self, within_s: float = 30.0) -> int:
+    # ---------------------------------------------------------------- restart
+    def ledger_state(self) -> dict:
+        """The per-actor ledger as JSON (checkpoints and RUN_DIR/state.json)."""
+        with self.lock:
+            return {str(i): a.to_state() for i, a in self.actors.items()}
+
+    def restore(self, version: int, ledger: dict, newer: dict | None = None) -> None:
+        """Continue from a checkpoint at ``version`` with its ``ledger``. ``newer`` is the
+        ledger of the run state written after the checkpoint by the learner that died:
+        groups it received are kept as received, and those it trained after the
+        checkpoint are counted as dropped "rolled_back" (that training was undone)."""
+        with self.lock:
+            self.version = version
+            self.gate_open = True  # a restart: the actors are running already
+            self.actors = {int(i): ActorLedger.from_state(d) for i, d in ledger.items()}
+            for i, d in (newer or {}).items():
+                old = self.actors.get(int(i), ActorLedger())
+                led = ActorLedger.from_state(d)
+                rolled_back = led.trained - old.trained
+                led.trained = old.trained
+                if rolled_back > 0:
+                    led.dropped["rolled_back"] += rolled_back
+                self.actors[int(i)] = led
+            # admission resumes with the trained groups counted as started
+            self.admission.grant(version * self.cfg.learner.batch_groups, version, version)
+
+    def data_positions(self) -> dict[str, int]:
+        with self.lock:
+            return {str(i): _count(a.stats.get("data_pos"), 0) for i, a in self.actors.items()
+                    if "data_pos" in a.stats}
+
+    # ---------------------------------------------------------------- reporting
+    def actors_alive(self, within_s: float | None = None) -> int:
+        within_s = self.cfg.learner.actor_silent_s if within_s is None else within_s
         now = time.time()
         with self.lock:
             return sum(1 for a in self.actors.values()
-                       if a.sent_total < 0 and now - a.last_seen < within_s)
+                       if not a.bye and now - a.last_seen < within_s)
 
     def snapshot(self) -> dict:
         """Counters for metrics.jsonl."""
+        now = time.time()
         with self.lock:
             dropped = Counter()
             for a in self.actors.values():
                 dropped.update(a.dropped)
             stats = {f"actor{i}/{k}": v for i, a in self.actors.items() for k, v in a.stats.items()}
+            for i, a in self.actors.items():
+                stats |= {f"actor{i}/trained": a.trained, f"actor{i}/received": a.received_total,
+                          f"actor{i}/incarnations": len(a.sent_by_pid),
+                          f"actor{i}/silent_s": now - a.last_seen if a.last_seen else -1.0}
             return {"dropped_stale": dropped.get("stale", 0), "dropped": dict(dropped),
                     "rejected": dict(self.receiver.rejected) | {
-                        f"control/{k}": v for k, v in self.control.rejected.items()},
+                        f"control/{k}": v for k, v in self.control.rejected.items()} | {
+                        f"group/{k}": v for k, v in self.invalid.items()},
+                    "events": dict(self.events),
+                    "control": {k: v for k, v in self.control.stats().items()
+                                if k in ("requests", "weights_requests", "dropped_replies")},
                     "admission": self.admission.counters(), "staleness": self.filter.stats(),
                     **stats}
 
+    def _byes_pending_from_live_actors(self) -> bool:
+        now = time.time()
+        with self.lock:
+            return any(not a.bye and now - a.last_seen < self.cfg.learner.actor_silent_s
+                       for a in self.actors.values())
+
     def shutdown(self, wait_s: float) -> dict:
-        """Tell actors to stop, wait for their Bye, drain what they sent, close the ledger."""
+        """Tell actors to stop, wait for their Bye, drain what they sent, close the ledger.
+        Groups an actor said it sent that never arrived are reported as ``lost``.
+
+        Waits ``wait_s``, and longer (up to ``_SHUTDOWN_MAX_S``) for actors still heard
+        from: one finishing a long group says Bye late but says it."""
         with self.lock:
             self.stopping = True
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            group = self.receiver.recv(timeout_s=0.2)
+        t0 = time.monotonic()
+        quiet_since = t0
+        while time.monotonic() - t0 < _SHUTDOWN_MAX_S:
+            if time.monotonic() - t0 > wait_s and not self._byes_pending_from_live_actors():
+                break
+            group = self._recv(0.2)
             if group is not None:
+                quiet_since = time.monotonic()
+                reason = check_group(group, self.vocab_size, self.max_tokens, self.max_leaves)
                 with self.lock:
+                    if reason:
+                        self.invalid[reason] += 1
+                        continue
                     led = self._ledger(group.actor_id)
                     led.received_total += 1
+                    self._uses_ticket(led, group)
                     led.dropped["shutdown"] += 1
                 continue
             with self.lock:
-                done = all(a.sent_total >= 0 and a.received_total >= a.sent_total
-                           for a in self.actors.values())
-            if done:
+                byes = all(a.bye for a in self.actors.values())
+                done = byes and all(a.lost() <= 0 for a in self.actors.values())
+            if done or (byes and time.monotonic() - quiet_since > _SHUTDOWN_QUIET_S):
                 break
         with self.lock:
-            ledger = {i: {"sent": a.sent_total, "received": a.received_total,
-                          "trained": a.trained, "dropped": dict(a.dropped)}
+            ledger = {i: {"sent": a.sent() if a.bye else -1, "received": a.received_total,
+                          "trained": a.trained, "dropped": dict(a.dropped),
+                          "lost": max(a.lost(), 0) if a.bye else -1,
+                          "incarnations": len(a.sent_by_pid)}
                       for i, a in self.actors.items()}
+        if self.fast_weights is not None:
+            self.fast_weights.close()
         self.control.stop()
         self.receiver.close()
         return ledger

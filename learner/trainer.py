@@ -1,5 +1,6 @@
 """The policy under DeepSpeed: build the engine, run one importance-corrected update,
-gather full weights for a broadcast, save and load checkpoints.
+gather full weights for a broadcast, save and load checkpoints (HF files for
+transformers/vLLM plus DeepSpeed's own state for an exact resume).
 
 Every rank runs the same number of forward/backward calls per step (empty micro-batches
 are padded with a one-token batch of zero weight) because ZeRO-3 gathers parameters
@@ -25,6 +26,7 @@ from learner.losses import LossInputs, LossSettings, policy_loss
 
 log = logging.getLogger("learner")
 
+DEEPSPEED_TAG = "deepspeed"  # sub-folder of a checkpoint holding DeepSpeed's files
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -136,6 +138,30 @@ class PolicyTrainer:
             out[name] = (t.view(torch.uint16).numpy().copy() if dtype == torch.bfloat16
                          else t.numpy().copy())
         return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, folder: Path, model_path: str | Path) -> None:
+        """Write this engine's state into ``folder`` (prepared by learner/checkpoint.py):
+        the HF model files (rank 0, weights gathered under ZeRO-3) and DeepSpeed's own
+        checkpoint (every rank its shard: fp32 weights and optimizer state); collective."""
+        from learner.checkpoint import export_hf, tensors_from_numpy
+
+        state = self.full_state()
+        if self.rank == 0:
+            export_hf(folder, tensors_from_numpy(state, self.cfg.model.dtype == "bfloat16"),
+                      model_path)
+        self.engine.save_checkpoint(str(folder), tag=DEEPSPEED_TAG, save_latest=False)
+        if dist.is_initialized():
+            dist.barrier()
+
+    def load_checkpoint(self, folder: Path) -> None:
+        """Restore weights and optimizer state saved by ``save_checkpoint``; collective."""
+        path, _ = self.engine.load_checkpoint(str(folder), tag=DEEPSPEED_TAG,
+                                              load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+        if path is None:
+            raise FileNotFoundError(f"{folder}/{DEEPSPEED_TAG}: DeepSpeed found no checkpoint "
+                                    "for this rank (same world size and ZeRO stage needed)")
 
     @torch.no_grad()
     def sequence_logprobs(self, prompt: list[int], tokens: list[int]) -> list[float]:
