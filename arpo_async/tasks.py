@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -55,10 +56,12 @@ class PromptSource:
     def __init__(self, cfg, tokenizer, stream: int = 0):
         self.cfg = cfg
         self.tokenizer = tokenizer
-        self.rng = np.random.default_rng([cfg.task.seed, cfg.run.seed, stream])
+        self._seed = [cfg.task.seed, cfg.run.seed, stream]
+        self.rng = np.random.default_rng(self._seed)
         self.items = self._load()
         self.order = self.rng.permutation(len(self.items))
         self.pos = 0
+        self.epoch = 0  # permutations used up: position = epoch * len(items) + pos
         self.skipped_long = 0
 
     def _load(self) -> list[Prompt]:
@@ -75,6 +78,11 @@ class PromptSource:
             return [Prompt(e.id, e.question, list(e.answers), e.kind,
                            system_prompt=e.system_prompt, meta=e.meta)
                     for e in load_examples(task.data, on_bad_row=task.on_bad_row)]
+        if task.name == "synthetic_tools":
+            from arpo_async.synthetic import rl_prompts
+
+            # The same items as rl.jsonl of `python -m arpo_async.synthetic` with this seed.
+            return rl_prompts(task.seed, task.num_prompts)
         raise ValueError(f"task.name: {task.name!r} is not available yet")
 
     def encode(self, prompt: Prompt) -> Prompt:
@@ -95,6 +103,7 @@ class PromptSource:
         for _ in range(len(self.items)):
             if self.pos == len(self.order):
                 self.order, self.pos = self.rng.permutation(len(self.items)), 0
+                self.epoch += 1
             prompt = self.items[int(self.order[self.pos])]
             self.pos += 1
             if not prompt.tokens:
@@ -103,6 +112,21 @@ class PromptSource:
                 return prompt
             self.skipped_long += 1
         raise ValueError(f"every prompt is longer than sampling.max_prompt_tokens={limit}")
+
+    @property
+    def position(self) -> int:
+        """Prompts drawn from this stream so far (skipped ones included)."""
+        return self.epoch * len(self.items) + self.pos
+
+    def seek(self, position: int) -> None:
+        """Continue as if ``position`` prompts had been drawn: the data position a
+        restarted actor resumes from (``saved_position``)."""
+        if position < 0:
+            raise ValueError(f"seek: position must be >= 0, got {position}")
+        self.rng = np.random.default_rng(self._seed)
+        self.epoch, self.pos = divmod(position, len(self.items))
+        for _ in range(self.epoch + 1):  # the permutations of every epoch so far, in order
+            self.order = self.rng.permutation(len(self.items))
 
     def score(self, response: str, prompt: Prompt) -> tuple[float, float]:
         """(reward, correctness) of one response."""
@@ -115,3 +139,20 @@ class PromptSource:
         ex = Example(prompt.id, prompt.question, prompt.answers, prompt.kind)
         result = score_response(response, ex)
         return result.reward, result.correct
+
+
+def saved_position(run_dir: str | Path, stream: int) -> int:
+    """Where stream ``stream`` (an actor id) should continue: the data position the
+    learner last recorded for it in ``RUN_DIR/state.json`` (the earliest prompt the actor
+    had not yet delivered, from its heartbeats), or 0 for a new run.
+
+    A restarted actor therefore draws again the prompts it had in flight when it died
+    (none skipped; a few delivered ones may repeat)."""
+    import json
+
+    path = Path(run_dir) / "state.json"
+    try:
+        value = json.loads(path.read_text()).get("data_position", {}).get(str(stream), 0)
+    except (OSError, ValueError, AttributeError):
+        return 0
+    return int(value) if isinstance(value, (int, float)) and value >= 0 else 0
