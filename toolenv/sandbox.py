@@ -177,9 +177,15 @@ class Sandbox:
             args += ["--ro-bind", path, path]
         for path in self.hide:
             args += ["--remount-ro", path]
-        args += ["--size", str(self.scratch_bytes), "--perms", "1777", "--tmpfs", "/tmp",
-                 "--chdir", "/tmp"]
-        return args
+        args += ["--size", str(self.scratch_bytes), "--perms", "1777", "--tmpfs", "/tmp"]
+        for path in self.expose:  # an interpreter under /tmp (a CI clone) stays reachable
+            if not path.startswith("/tmp/"):
+                continue
+            parts = Path(path).relative_to("/tmp").parts[:-1]
+            for i in range(len(parts)):
+                args += ["--perms", "0755", "--dir", str(Path("/tmp", *parts[: i + 1]))]
+            args += ["--ro-bind", path, path]
+        return args + ["--chdir", "/tmp"]
 
     def _setenv(self) -> list[str]:
         env = {"PATH": _BASE_PATH, "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
