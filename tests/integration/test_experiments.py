@@ -73,7 +73,9 @@ def test_sweep_2x2_simulated(tiny_model_dir, tmp_path):
         assert float(r["trajectories_per_s"]) > 0 and float(r["model_tokens_per_s"]) > 0
         assert 0 < float(r["learner_busy_frac"]) <= 1.05
         assert 0 <= float(r["actor_idle_frac"]) <= 1
-        assert int(r["staleness_max"]) <= eta and int(r["dropped_stale"]) == 0
+        # groups finishing out of order can go stale; they are dropped and counted
+        # (ledger_ok above), and nothing trained is ever older than the bound
+        assert int(r["staleness_max"]) <= eta
         assert (r["mode"] == "sync (lockstep)") == (eta == 0)
     assert all(float(r["staleness_mean"]) == 0 for r in rows if r["max_staleness"] == "0")
     sweep = json.loads((out / "sweep.json").read_text())
