@@ -510,7 +510,7 @@ async def test_fifty_hostile_snippets_do_not_break_other_rollouts(tiny_model_dir
         await runner.close()
         await engine.close()
     bad, good = results[:50], results[50:]
-    slack = 1.5  # sandbox start-up and kill on a busy 2-core machine
+    slack = 3.0  # sandbox start-up and kill on a busy 2-core machine (50 sandboxes at once)
     assert all(elapsed < limit + slack for _, elapsed in bad), [round(e, 2) for _, e in bad]
     assert sum(not r.ok for r, _ in bad) >= 30  # killed, timed out or failed: contained
     for k, (first, result, second, elapsed) in enumerate(good):
