@@ -144,7 +144,6 @@ class Actor:
 
     # ------------------------------------------------------------------ slots
     async def _slot(self) -> None:
-        backoff = 0.02  # seconds before asking again after a capacity refusal
         while not self.stop:
             t0 = time.perf_counter()
             grant = await self._request(P.TicketRequest(self.actor_id, self.engine.version, 1))
@@ -156,12 +155,10 @@ class Actor:
                     pass  # _request said hello; ask again
                 elif grant.reason.startswith("stale"):
                     await self.sync_weights()
-                else:  # at capacity: tickets free up as the learner trains; back off
-                    await asyncio.sleep(backoff if grant.reason == "capacity" else 0.2)
-                    backoff = min(backoff * 2, 0.32)
+                else:  # at capacity: tickets free up as the learner trains
+                    await asyncio.sleep(0.02 if grant.reason == "capacity" else 0.2)
                 self.idle_s += time.perf_counter() - t0
                 continue
-            backoff = 0.02
             self.idle_s += time.perf_counter() - t0
             if 0 <= self._learner_version < self.engine.version:
                 await self.sync_weights()  # never generate with weights the learner lost

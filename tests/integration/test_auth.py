@@ -141,7 +141,8 @@ def test_peers_without_the_run_key_get_nothing_in_and_nothing_out(tiny_model_dir
 
     def attack() -> None:
         deadline = time.time() + 300
-        while time.time() < deadline and not (run_dir / "metrics.jsonl").exists():
+        metrics = run_dir / "metrics.jsonl"  # its first line: the learner has published
+        while time.time() < deadline and not (metrics.exists() and metrics.read_text()):
             time.sleep(0.3)
         ports = yaml.safe_load((run_dir / "config.yaml").read_text())["transport"]
         rogue = Rogue(host, ports, load_client_keys(run_dir / "keys"))
