@@ -2,8 +2,9 @@
 
 What the sandboxed command sees: the host's root file system read-only; fresh, size-capped
 tmpfs at /tmp (its writable scratch folder and cwd) and /dev/shm; private /proc and /dev;
-the project, home and other hidden folders replaced by empty read-only tmpfs, with only
-the paths in ``expose`` (the interpreter and its packages) bound back read-only; no
+the project, the folder that holds it, home and other hidden folders replaced by empty
+read-only tmpfs, with only the paths in ``expose`` (the interpreter and its packages)
+bound back read-only; no
 network (its own network namespace has only a loopback); its own pid namespace, so when
 the command's main process exits or bwrap is killed, every process it started dies too.
 
@@ -105,12 +106,19 @@ class UidPool:
         os.close(fd)
 
 
+_SYSTEM_DIRS = {"/", "/usr", "/usr/lib", "/usr/local", "/usr/local/lib", "/lib", "/lib64",
+                "/bin", "/sbin", "/etc", "/var", "/opt", "/tmp"}
+
+
 def default_hidden(extra: Sequence[str | Path] = ()) -> list[str]:
     """Folders a sandbox must not see: homes, the project, run-time sockets, mounts, and
     ``extra`` (e.g. the run folder). Missing folders and "/" are skipped."""
     repo = Path(__file__).resolve().parents[1]
+    # The project's parent folder too: checkouts sit beside their workspace (shared data,
+    # notes, other clones); a system folder or "/" as that parent hides only the project.
+    workspace = repo.parent if str(repo.parent) not in _SYSTEM_DIRS else repo
     candidates = ["/root", "/home", "/work", "/run", "/srv", "/mnt", "/media",
-                  str(Path.home()), str(repo), *map(str, extra)]
+                  str(Path.home()), str(repo), str(workspace), *map(str, extra)]
     found: list[str] = []
     for path in candidates:
         real = os.path.realpath(path)
