@@ -59,10 +59,15 @@ ATTRS = {
     "born": ("person", "the birth year of {}", (1500, 1999)),
     "books": ("person", "the number of books by {}", (10, 99)),
 }
+# One document per fact, its number last: a look-up's answer then sits at a fixed
+# distance before "</result>", which the tiny model learns to copy within the SFT budget
+# (with all of an entity's facts in one document, only the last fact was copied right:
+# 0% of populations, 96% of elevations after 1,000 steps). Each sentence holds its
+# attribute's query words, so BM25 ranks the asked fact above the entity's others.
 _FACT_SENTENCE = {
-    "population": "Its population is {}.", "founded": "It was founded in {}.",
-    "elevation": "Its elevation is {} metres.", "born": "The writer was born in {}.",
-    "books": "The writer wrote {} books.",
+    "population": "Its population is {}.", "founded": "Its founding year is {}.",
+    "elevation": "Its elevation in metres is {}.", "born": "The birth year of the writer is {}.",
+    "books": "The number of books by the writer is {}.",
 }
 _INTRO = {"city": "{} is a city.", "person": "{} is a writer."}
 # A look-up's thought restates what it searches for: one more copy of the name to
@@ -94,11 +99,13 @@ class Entity:
     type: str  # "city" | "person"
     facts: dict[str, int]
     split: str
-    sentences: list[str] = field(default_factory=list)  # fact order in its document
 
-    def document(self) -> dict:
-        text = " ".join([_INTRO[self.type].format(self.name), *self.sentences])
-        return {"id": self.name.lower().replace(" ", "-"), "contents": f"{self.name}\n{text}"}
+    def documents(self) -> list[dict]:
+        """One retriever document per fact: ``{"id", "contents": "Title\ntext"}``."""
+        intro, key = _INTRO[self.type].format(self.name), self.name.lower().replace(" ", "-")
+        return [{"id": f"{key}-{attr}",
+                 "contents": f"{self.name}\n{intro} {_FACT_SENTENCE[attr].format(value)}"}
+                for attr, value in self.facts.items()]
 
 
 @dataclass
@@ -109,7 +116,7 @@ class Task:
     question: str
     answer: str
     calls: list[tuple[str, str]]  # (tool, args) in the order the trace makes them
-    entities: list[str] = field(default_factory=list)  # names the searches must find
+    found: list[tuple[str, int]] = field(default_factory=list)  # (entity, value) per search
 
     def row(self) -> dict:
         """A prompt row in the ARPO RL schema that ``toolenv.data.load_examples`` reads
@@ -168,9 +175,7 @@ def make_entities(spec: SuiteSpec) -> list[Entity]:
         etype = "city" if i < n_city else "person"
         attrs = [a for a, v in ATTRS.items() if v[0] == etype]
         facts = {a: int(rng.integers(ATTRS[a][2][0], ATTRS[a][2][1] + 1)) for a in attrs}
-        order = rng.permutation(len(attrs))  # fact order varies: find facts by their words
-        sentences = [_FACT_SENTENCE[attrs[j]].format(facts[attrs[j]]) for j in order]
-        entities.append(Entity(name, etype, facts, "", sentences))
+        entities.append(Entity(name, etype, facts, ""))
     for etype in ("city", "person"):
         idx = [i for i, e in enumerate(entities) if e.type == etype]
         idx = [idx[j] for j in rng.permutation(len(idx))]
@@ -182,7 +187,7 @@ def make_entities(spec: SuiteSpec) -> list[Entity]:
 
 
 def corpus_rows(entities: list[Entity]) -> list[dict]:
-    return [e.document() for e in entities]
+    return [doc for e in entities for doc in e.documents()]
 
 
 # ----------------------------------------------------------------------------- tasks
@@ -243,7 +248,7 @@ def make_tasks(spec: SuiteSpec, split: str, n: int | None = None) -> list[Task]:
             e = ents[int(rng.integers(len(ents)))]
             tasks.append(Task(tid, split, kind, f"What is {phrase.format(e.name)}?",
                               str(e.facts[attr]), [("search", _query(phrase, e.name))],
-                              [e.name]))
+                              [(e.name, e.facts[attr])]))
             continue
         i1, i2 = rng.choice(len(ents), size=2, replace=False)
         x, y = ents[int(i1)], ents[int(i2)]
@@ -253,7 +258,7 @@ def make_tasks(spec: SuiteSpec, split: str, n: int | None = None) -> list[Task]:
         calls = [("search", _query(phrase, x.name)), ("search", _query(phrase, y.name)),
                  ("python", f"print({a}{op}{b})")]
         tasks.append(Task(tid, split, kind, question, str(a + b if op == "+" else a - b), calls,
-                          [x.name, y.name]))
+                          [(x.name, a), (y.name, b)]))
     return tasks
 
 
@@ -303,14 +308,16 @@ async def build_trace(task: Task, tools: RealTools) -> dict:
     facts the answer needs, so a trace never teaches a wrong answer."""
     thought = THINK[task.kind].format(task.question.removeprefix("What is ").rstrip("?"))
     segments = [{"text": f"<think>{thought}</think>\n", "role": "model"}]
-    output, names = "", iter(task.entities)
+    output, found = "", iter(task.found)
     for tool, args in task.calls:
         segments[-1]["text"] += f"<{tool}>{args}</{tool}>"
         output = await tools.run(tool, args)
         segments.append({"text": format_result(output), "role": "tool"})
         segments.append({"text": "", "role": "model"})
-        if tool == "search" and not output.startswith(f"Doc 1(Title: {next(names)})"):
-            raise RuntimeError(f"{task.id}: search {args!r} did not return its entity first")
+        if tool == "search":
+            name, value = next(found)
+            if not (output.startswith(f"Doc 1(Title: {name})") and output.endswith(f" {value}.")):
+                raise RuntimeError(f"{task.id}: search {args!r} did not return its fact first")
     final = output.strip() if task.calls[-1][0] == "python" else task.answer
     if final != task.answer or (task.kind == "lookup" and task.answer not in output):
         raise RuntimeError(f"{task.id}: tools gave {output!r}, expected {task.answer!r}")

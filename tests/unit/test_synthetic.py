@@ -21,14 +21,15 @@ SMALL = syn.SuiteSpec(seed=3, entities=240, sft=12, rl=9, heldout=9)
 
 def _facts_from_corpus(entities: list[syn.Entity]) -> dict[str, dict[str, int]]:
     """Facts read back from the documents' text (not from the generator's dicts)."""
-    patterns = {"population": r"population is (\d+)", "founded": r"founded in (\d+)",
-                "elevation": r"elevation is (\d+)", "born": r"born in (\d+)",
-                "books": r"wrote (\d+) books"}
-    out = {}
+    patterns = {"population": r"population is (\d+)", "founded": r"founding year is (\d+)",
+                "elevation": r"elevation in metres is (\d+)", "born": r"birth year .* is (\d+)",
+                "books": r"number of books .* is (\d+)"}
+    out: dict[str, dict[str, int]] = {}
     for row in syn.corpus_rows(entities):
         title, text = row["contents"].split("\n", 1)
-        out[title] = {a: int(m.group(1)) for a, p in patterns.items()
-                      if (m := re.search(p, text))}
+        facts = {a: int(m.group(1)) for a, p in patterns.items() if (m := re.search(p, text))}
+        assert len(facts) == 1, text  # one fact per document
+        out.setdefault(title, {}).update(facts)
     return out
 
 
@@ -73,7 +74,7 @@ def test_tasks_are_deterministic_and_independent_of_other_split_sizes():
 def test_splits_share_no_entity_and_no_operand_pair():
     spec = dataclasses.replace(SMALL, sft=120, rl=60, heldout=60)
     tasks = {s: syn.make_tasks(spec, s) for s in syn.SPLITS}
-    ents = {s: {n for t in ts for n in t.entities} for s, ts in tasks.items()}
+    ents = {s: {name for t in ts for name, _ in t.found} for s, ts in tasks.items()}
     pairs = {s: {t.question for t in ts if t.kind == "arith"} for s, ts in tasks.items()}
     for s1, s2 in (("sft", "rl"), ("sft", "heldout"), ("rl", "heldout")):
         assert not ents[s1] & ents[s2], (s1, s2)
@@ -125,7 +126,9 @@ def test_corpus_rows_are_retriever_documents(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in syn.corpus_rows(
         syn.make_entities(SMALL))))
     docs = load_corpus(path)
-    assert len(docs) == SMALL.entities
+    n_city = 2 * SMALL.entities // 3
+    assert len(docs) == 3 * n_city + 2 * (SMALL.entities - n_city)  # one per fact
+    assert len({d["id"] for d in docs}) == len(docs)
     assert all(d["contents"].split("\n")[0] in d["contents"].split("\n")[1] for d in docs)
 
 
