@@ -280,6 +280,29 @@ class ClusterConfig(_Section):
         "`python -m arpo_async.launch actor --connect tcp://HOST:PORT`")
 
 
+class PipelineConfig(_Section):
+    enabled: bool = Field(
+        False, description="run the whole job around RL: build the synthetic suite and the "
+        "model, cold-start SFT, evaluate on held-out prompts before and after RL "
+        "(arpo_async/pipeline.py); off: the RL stage alone on model.path")
+    data_dir: str = Field("data/synthetic", description="synthetic suite folder (built from "
+                          "task.seed when missing, reused after)")
+    suite_entities: int = Field(600, ge=10, description="invented cities and writers")
+    suite_sft: int = Field(3000, ge=1, description="SFT traces")
+    suite_rl: int = Field(2000, ge=1, description="RL prompts")
+    suite_heldout: int = Field(300, ge=1, description="held-out prompts")
+    sft: bool = Field(True, description="cold-start SFT on the suite's traces before RL")
+    sft_time_s: float = Field(150.0, ge=0, description="SFT training seconds (0: use sft_steps)")
+    sft_steps: int = Field(0, ge=0, description="SFT optimizer steps (0: use sft_time_s)")
+    sft_lr: float = Field(2e-3, gt=0, description="SFT peak learning rate (AdamW)")
+    sft_batch_size: int = Field(16, ge=1, description="SFT traces per step")
+    threads: int = Field(2, ge=1, description="CPU threads of the SFT and evaluation stages")
+    eval_limit: int = Field(300, ge=0, description="held-out prompts evaluated (0: all)")
+    eval_k: int = Field(2, ge=1, description="samples per held-out prompt (pass@1 averages them)")
+    eval_temperature: float = Field(
+        -1.0, description="evaluation temperature (< 0: sampling.temperature)")
+
+
 class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -292,6 +315,7 @@ class Config(_Section):
     tools: ToolsConfig = Field(default_factory=ToolsConfig)
     sim: SimConfig = Field(default_factory=SimConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -312,6 +336,9 @@ class Config(_Section):
                              "started with them, and firewalls must allow them)")
         if ln.weight_sync == "nccl" and self.cluster.device != "cuda":
             raise ValueError("learner.weight_sync=nccl needs cluster.device=cuda")
+        p = self.pipeline
+        if p.enabled and p.sft and not (p.sft_time_s or p.sft_steps):
+            raise ValueError("pipeline.sft needs pipeline.sft_time_s or pipeline.sft_steps > 0")
         if ro.initial_samples > ro.group_size:
             raise ValueError("rollout.initial_samples must be <= rollout.group_size")
         return self

@@ -12,6 +12,10 @@ checkpoint (weights, optimizer, policy version, ledger, data positions), the act
 RUN_DIR that are still running are adopted and reconnect, the missing ones are started;
 ``metrics.jsonl`` goes on in the same file. Events: ``RUN_DIR/events.jsonl``.
 
+With ``pipeline.enabled`` (configs/default.yaml) the launcher runs the whole job around
+RL: synthetic suite and model, cold-start SFT, evaluation before and after RL, summary
+and plots (arpo_async/pipeline.py); ``--resume`` then skips the finished stages.
+
 ``--dry-run`` validates the config and prints the process plan (arpo_async/plan.py).
 ``python -m arpo_async.launch actor --connect tcp://HOST:PORT [--actor-id I] [--keys DIR]``
 runs one actor on another machine, with the config it gets from the learner
@@ -43,6 +47,18 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _is_pipeline(args) -> bool:
+    """The whole job (arpo_async/pipeline.py) or the RL stage alone (supervisor)?"""
+    from pathlib import Path
+
+    from arpo_async.config import load_config
+    from arpo_async.pipeline import USER_CONFIG
+
+    if args.resume:
+        return (Path(args.resume) / USER_CONFIG).is_file()
+    return load_config(args.config, args.overrides).pipeline.enabled
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["actor"]:  # an actor on another machine (arpo_async/remote.py)
@@ -57,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
             from arpo_async.plan import dry_run
 
             return dry_run(args)
+        if _is_pipeline(args):
+            from arpo_async.pipeline import run
+
+            return run(args)
         from arpo_async.supervisor import launch
 
         return launch(args)

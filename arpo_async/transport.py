@@ -145,7 +145,10 @@ class TrajectoryReceiver:
             wait_ms = max(0, int((deadline - time.monotonic()) * 1000))
             if not sock.poll(wait_ms, zmq.POLLIN):
                 return None
-            frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            try:  # poll can report a message that is gone again (e.g. dropped oversize)
+                frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                continue
             try:
                 msg = decode(frames, self.max_bytes)
             except ProtocolError as exc:
@@ -252,7 +255,10 @@ class ControlServer:
             while not self._stop.is_set():
                 if not sock.poll(_POLL_MS, zmq.POLLIN):
                     continue
-                frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                try:
+                    frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    continue
                 try:
                     self._serve(frames)
                 except Exception:

@@ -1,0 +1,275 @@
+"""The default job, stage by stage: build the synthetic tool suite and the model, cold-start
+SFT, evaluate, asynchronous RL (learner + actors through the supervisor), evaluate again,
+summarise and plot. ``python -m arpo_async.launch`` runs it when ``pipeline.enabled``.
+
+Stages and what each leaves in the run folder::
+
+    data      pipeline.data_dir/{corpus,sft,rl,heldout}.jsonl, meta.json (built once, reused)
+    model     model.path (the local tiny model, built when missing)
+    sft       RUN_DIR/sft/                 Hugging Face checkpoint after cold-start SFT
+    eval_sft  RUN_DIR/eval/sft/            summary.json + items.jsonl on the held-out split
+    rl        RUN_DIR/checkpoints/, metrics.jsonl, ...  (arpo_async/supervisor.py)
+    eval_rl   RUN_DIR/eval/rl/             the same evaluation of the newest RL checkpoint
+    report    RUN_DIR/summary.json, RUN_DIR/plots/*.png
+
+``RUN_DIR/pipeline.json`` records each finished stage (seconds, result) and is rewritten
+atomically after each one, so ``launch --resume RUN_DIR`` skips what is done and the RL
+stage continues from its newest checkpoint. One local retriever serves the suite's corpus
+to the evaluations and the actors (a fresh one, on a new port, after a resume).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from arpo_async.config import Config, ConfigError, load_config, save_config
+
+STATE = "pipeline.json"
+USER_CONFIG = "pipeline_config.yaml"  # the config as given, before stage overrides
+
+
+def _say(text: str) -> None:
+    print(f"[pipeline] {text}", flush=True)
+
+
+class StageLog:
+    """Finished stages of a run (``RUN_DIR/pipeline.json``), written after each stage."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / STATE
+        self.state: dict[str, Any] = (json.loads(self.path.read_text())
+                                      if self.path.exists() else {"stages": {}})
+
+    def done(self, name: str) -> dict | None:
+        return self.state["stages"].get(name)
+
+    def record(self, name: str, seconds: float, result: dict) -> None:
+        from learner.checkpoint import atomic_write_json
+
+        self.state["stages"][name] = {"seconds": round(seconds, 1), **result}
+        atomic_write_json(self.path, self.state)
+
+    def run(self, name: str, fn, *args: Any) -> dict:
+        """``fn(*args)`` unless ``name`` finished before; its result (a dict)."""
+        if (prev := self.done(name)) is not None:
+            _say(f"{name}: done before ({prev['seconds']} s), skipped")
+            return prev
+        _say(f"{name}: starting")
+        t0 = time.perf_counter()
+        result = fn(*args)
+        self.record(name, time.perf_counter() - t0, result)
+        _say(f"{name}: finished in {time.perf_counter() - t0:.0f} s")
+        return self.state["stages"][name]
+
+
+# ----------------------------------------------------------------------------- stages
+
+
+def build_data(cfg: Config) -> dict:
+    from arpo_async.synthetic import SuiteSpec, write_suite
+
+    p = cfg.pipeline
+    out = Path(p.data_dir)
+    if cfg.task.name == "file" and Path(cfg.task.data).resolve().parent != out.resolve():
+        raise ConfigError(f"task.data: {cfg.task.data} is not the RL split of pipeline.data_dir "
+                          f"({out}/rl.jsonl)")
+    spec = SuiteSpec(seed=cfg.task.seed, entities=p.suite_entities, sft=p.suite_sft,
+                     rl=p.suite_rl, heldout=p.suite_heldout, topk=cfg.tools.search_topk,
+                     snippet_chars=cfg.tools.search_snippet_chars)
+    meta_path = out / "meta.json"
+    if meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        if meta.get("spec") == asdict(spec):
+            return {"dir": str(out), "built": False, **meta["counts"]}
+        raise ConfigError(f"pipeline.data_dir: {out} holds a suite built with {meta.get('spec')}, "
+                          f"not {asdict(spec)}; remove it or point pipeline.data_dir elsewhere")
+    meta = write_suite(out, spec)
+    return {"dir": str(out), "built": True, **meta["counts"]}
+
+
+def build_model(cfg: Config) -> dict:
+    from arpo_async.tiny_model import ensure_model
+
+    try:
+        return {"path": str(ensure_model(cfg.model.path, cfg.model))}
+    except (FileNotFoundError, ValueError, OSError) as exc:
+        raise ConfigError(str(exc).splitlines()[0]) from None
+
+
+def cold_start_sft(cfg: Config, model_path: str, out: Path) -> dict:
+    from arpo_async.sft import run_sft
+
+    p = cfg.pipeline
+    res = run_sft(model_path, Path(p.data_dir) / "sft.jsonl", out,
+                  steps=p.sft_steps or None, time_budget_s=p.sft_time_s or None, lr=p.sft_lr,
+                  batch_size=p.sft_batch_size, seed=cfg.run.seed, threads=p.threads,
+                  max_len=cfg.model.max_model_len, log=lambda s: print(s, flush=True))
+    return {k: v for k, v in res.items() if k != "history"}
+
+
+def run_eval(cfg: Config, model_path: str, retriever_url: str, out: Path) -> dict:
+    from arpo_async.evaluate import evaluate
+
+    p = cfg.pipeline
+    ecfg = cfg.model_copy(deep=True)
+    ecfg.model.path = model_path
+    ecfg.actors.threads = p.threads
+    res = evaluate(ecfg, Path(p.data_dir) / "heldout.jsonl", k=p.eval_k,
+                   limit=p.eval_limit or None, out_dir=out,
+                   temperature=p.eval_temperature if p.eval_temperature >= 0 else None,
+                   retriever_url=retriever_url)
+    return {"dir": str(out), **res}
+
+
+def run_rl(cfg: Config, run_dir: Path, sft_path: str, retriever_url: str, quiet: bool) -> dict:
+    from arpo_async.supervisor import launch
+    from learner.checkpoint import latest_checkpoint
+
+    started = (run_dir / "config.yaml").exists()
+    args = argparse.Namespace(config=None, resume=str(run_dir) if started else None,
+                              quiet=quiet, dry_run=False, overrides=[])
+    if retriever_url:
+        args.overrides.append(f"tools.retriever_url={retriever_url}")
+    if not started:
+        rl_cfg = cfg.model_copy(deep=True)
+        rl_cfg.model.path = sft_path
+        args.config = str(run_dir / "rl_config.yaml")
+        save_config(rl_cfg, args.config)
+    elif args.resume:
+        _say(f"rl: continuing the RL run in {run_dir} from its newest checkpoint")
+    code = launch(args)
+    ckpt = latest_checkpoint(run_dir)
+    if code != 0 or ckpt is None:
+        raise RuntimeError(f"the RL stage failed (exit code {code}, newest checkpoint "
+                           f"{ckpt}); see {run_dir}/logs and {run_dir}/events.jsonl")
+    return {"checkpoint": str(ckpt), **rl_figures(run_dir)}
+
+
+def rl_figures(run_dir: Path) -> dict:
+    """Throughput, staleness and tool figures of the RL stage, from metrics.jsonl."""
+    from arpo_async.metrics import read_metrics
+
+    rows = read_metrics(run_dir)
+    if not rows:
+        return {"steps": 0}
+    last, wall = rows[-1], rows[-1]["wall_time"]
+    svc = last.get("service", {})
+    hits = sum(v for k, v in svc.items() if k.endswith("tools/cache_hits"))
+    misses = sum(v for k, v in svc.items() if k.endswith("tools/cache_misses"))
+    return {
+        "steps": last["step"], "rl_wall_s": round(wall, 1),
+        "model_tokens_per_s": round(sum(r["model_tokens"] for r in rows) / max(wall, 1e-9), 1),
+        "staleness_mean": round(sum(r["staleness_mean"] for r in rows) / len(rows), 3),
+        "staleness_max": max(r["staleness_max"] for r in rows),
+        "dropped_stale": last["dropped_stale"],
+        "tool_calls": sum(r.get("tool_calls", 0) for r in rows),
+        "tool_cache_hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
+        "reward_first": rows[0]["reward_mean"], "reward_last": last["reward_mean"],
+        "train_accuracy_first": rows[0].get("score_mean"),
+        "train_accuracy_last": last.get("score_mean"),
+    }
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def _user_config(args) -> tuple[Config, Path]:
+    if args.resume:
+        run_dir = Path(args.resume)
+        path = run_dir / USER_CONFIG
+        if not path.is_file():
+            raise ConfigError(f"--resume: {path} does not exist (not a pipeline run folder)")
+        return load_config(path, args.overrides), run_dir
+    cfg = load_config(args.config, args.overrides)
+    run_dir = Path(cfg.run.dir)
+    if (run_dir / STATE).exists() or (run_dir / "config.yaml").exists():
+        raise ConfigError(f"run.dir: {run_dir} already holds a run; continue it with "
+                          f"--resume {run_dir}, or choose another run.dir")
+    return cfg, run_dir
+
+
+def run(args) -> int:
+    """The whole job; returns the exit code (the summary is printed and saved)."""
+    from toolenv.retriever_server import RetrieverProcess
+
+    cfg, run_dir = _user_config(args)
+    quiet = bool(args.quiet or cfg.run.quiet)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / USER_CONFIG)
+    stages = StageLog(run_dir)
+    t0 = time.time() - stages.state.get("wall_time_s", 0.0)
+    data = stages.run("data", build_data, cfg)
+    model = stages.run("model", build_model, cfg)
+    sft_dir = run_dir / "sft"
+    if cfg.pipeline.sft:
+        stages.run("sft", cold_start_sft, cfg, model["path"], sft_dir)
+        start_model = str(sft_dir)
+    else:
+        start_model = model["path"]
+    with contextlib.ExitStack() as stack:
+        url = cfg.tools.retriever_url
+        if "search" in cfg.tools.enabled and not url:
+            url = stack.enter_context(RetrieverProcess(Path(data["dir"]) / "corpus.jsonl")).url
+            _say(f"retriever over {data['dir']}/corpus.jsonl at {url}")
+        before = stages.run("eval_sft", run_eval, cfg, start_model, url, run_dir / "eval" / "sft")
+        rl = stages.run("rl", run_rl, cfg, run_dir, start_model, url, quiet)
+        after = stages.run("eval_rl", run_eval, cfg, rl["checkpoint"], url, run_dir / "eval" / "rl")
+    stages.state["wall_time_s"] = time.time() - t0
+    summary = write_summary(run_dir, stages, before, rl, after)
+    print_summary(summary)
+    return 0
+
+
+def write_summary(run_dir: Path, stages: StageLog, before: dict, rl: dict, after: dict) -> dict:
+    """RUN_DIR/summary.json: the RL run's own summary plus the pipeline's figures."""
+    from arpo_async.plots import write_plots
+    from learner.checkpoint import atomic_write_json
+
+    path = run_dir / "summary.json"
+    rl_summary = json.loads(path.read_text()) if path.exists() else {}
+    summary = {
+        **rl_summary,
+        "accuracy_after_sft": before["pass@1"], "accuracy_after_rl": after["pass@1"],
+        "heldout_size": after["n"], "eval_k": after["k"],
+        f"pass@{after['k']}_after_sft": before.get(f"pass@{after['k']}"),
+        f"pass@{after['k']}_after_rl": after.get(f"pass@{after['k']}"),
+        "tool_calls_per_question": after["tool_calls_per_sample"],
+        "tool_calls_per_question_after_sft": before["tool_calls_per_sample"],
+        "per_kind": {k: {"after_sft": before["per_kind"][k]["pass@1"],
+                         "after_rl": v["pass@1"]} for k, v in after["per_kind"].items()},
+        "rl": {k: v for k, v in rl.items() if k != "seconds"},
+        "stages_s": {k: v["seconds"] for k, v in stages.state["stages"].items()},
+        "wall_time_s": round(stages.state["wall_time_s"], 1),
+        "rl_status": rl_summary.get("status"),
+    }
+    summary["status"] = "ok"
+    summary["plots"] = [str(p) for p in write_plots(run_dir)]
+    atomic_write_json(path, summary)
+    atomic_write_json(stages.path, stages.state)
+    return summary
+
+
+def print_summary(s: dict) -> None:
+    rl = s["rl"]
+    lines = [
+        f"held-out accuracy (pass@1, {s['heldout_size']} prompts x {s['eval_k']} samples): "
+        f"after SFT {s['accuracy_after_sft']:.3f} -> after RL {s['accuracy_after_rl']:.3f} "
+        f"({100 * (s['accuracy_after_rl'] - s['accuracy_after_sft']):+.1f} points)",
+        "  by kind: " + ", ".join(f"{k} {v['after_sft']:.3f}->{v['after_rl']:.3f}"
+                                  for k, v in s["per_kind"].items()),
+        f"tool calls per question: {s['tool_calls_per_question_after_sft']:.2f} -> "
+        f"{s['tool_calls_per_question']:.2f}",
+        f"RL: {rl.get('steps')} learner steps in {rl.get('rl_wall_s')} s, "
+        f"{rl.get('model_tokens_per_s')} model tokens/s, staleness mean "
+        f"{rl.get('staleness_mean')} max {rl.get('staleness_max')}, tool cache hit rate "
+        f"{rl.get('tool_cache_hit_rate')}",
+        "stages (s): " + ", ".join(f"{k} {v}" for k, v in s["stages_s"].items()),
+        f"wall time: {s['wall_time_s']:.0f} s; plots: {', '.join(s['plots'])}",
+    ]
+    print("\n".join(lines), flush=True)

@@ -1,0 +1,89 @@
+"""The default job (configs/default.yaml) end to end with small budgets and real parts:
+synthetic suite built with the sandboxed Python tool and the BM25 index, SFT, vLLM
+evaluation with a live retriever, the async RL stage (DeepSpeed learner, vLLM actor over
+ZeroMQ), evaluation of the RL checkpoint, summary and plots; then a resume that reruns
+only the stage that is missing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from tests.conftest import PY, REPO, python_env
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+HELDOUT = 12
+SMALL = ["pipeline.suite_entities=60", "pipeline.suite_sft=48", "pipeline.suite_rl=40",
+         f"pipeline.suite_heldout={HELDOUT}", "pipeline.sft_time_s=0", "pipeline.sft_steps=15",
+         "pipeline.eval_k=1", "pipeline.eval_limit=0", "actors.num=1", "learner.max_steps=3",
+         "run.time_limit_s=0", "learner.checkpoint_every=2", "learner.batch_groups=1",
+         "rollout.group_size=4", "rollout.initial_samples=2", "sampling.max_response_tokens=160"]
+
+
+def _launch(*args: str, timeout: float = 540) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, "-m", "arpo_async.launch", "--quiet", *args], cwd=REPO,
+                          env=python_env(), capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, tiny_model_dir):
+    root = tmp_path_factory.mktemp("pipe")
+    run_dir, data = root / "run", root / "data"
+    res = _launch(f"run.dir={run_dir}", f"model.path={tiny_model_dir}",
+                  f"pipeline.data_dir={data}", f"task.data={data}/rl.jsonl", *SMALL)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return run_dir, data, res.stdout
+
+
+def test_default_job_runs_every_stage(finished_run):
+    run_dir, data, out = finished_run
+    state = json.loads((run_dir / "pipeline.json").read_text())
+    assert list(state["stages"]) == ["data", "model", "sft", "eval_sft", "rl", "eval_rl"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for key in ("accuracy_after_sft", "accuracy_after_rl"):
+        assert 0.0 <= summary[key] <= 1.0, summary
+    assert summary["heldout_size"] == HELDOUT and summary["status"] == "ok"
+    assert summary["wall_time_s"] > 0 and summary["steps"] == 3
+    assert summary["rl"]["steps"] == 3 and summary["rl"]["checkpoint"].endswith("step-00000003")
+    # the held-out prompts were really answered with tools, against the live retriever
+    items = [json.loads(x) for x in (run_dir / "eval" / "rl" / "items.jsonl").open()]
+    assert len(items) == HELDOUT and {i["kind"] for i in items} == {"arith", "lookup", "combo"}
+    assert summary["tool_calls_per_question"] == pytest.approx(
+        sum(sum(i["tool_calls"]) for i in items) / HELDOUT)
+    for name in ("by_wall_time.png", "by_step.png"):
+        assert (run_dir / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "held-out accuracy" in out and "after RL" in out
+    assert len((data / "heldout.jsonl").read_text().splitlines()) == HELDOUT
+
+
+def test_rl_checkpoint_loads_in_transformers(finished_run):
+    from transformers import AutoModelForCausalLM
+
+    run_dir, _, _ = finished_run
+    ckpt = json.loads((run_dir / "summary.json").read_text())["rl"]["checkpoint"]
+    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    assert model.config.model_type == "qwen3"
+
+
+def test_resume_reruns_only_missing_stages(finished_run):
+    run_dir, _, _ = finished_run
+    path = run_dir / "pipeline.json"
+    state = json.loads(path.read_text())
+    before = state["stages"].pop("eval_rl")
+    path.write_text(json.dumps(state))
+    res = _launch("--resume", str(run_dir))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    for stage in ("data", "model", "sft", "eval_sft", "rl"):
+        assert f"{stage}: done before" in res.stdout
+    assert "eval_rl: starting" in res.stdout
+    after = json.loads(path.read_text())["stages"]["eval_rl"]
+    assert after["n"] == before["n"] == HELDOUT
+
+
+def test_a_used_run_folder_is_refused(finished_run):
+    run_dir, _, _ = finished_run
+    res = _launch(f"run.dir={run_dir}", timeout=60)
+    assert res.returncode == 2 and "already holds a run" in res.stderr and "--resume" in res.stderr
