@@ -5,7 +5,9 @@ Each of ``actors.concurrent_groups`` slots repeats: ask the learner for a ticket
 learner's admission control bounds staleness), generate a group with the rollout, send
 it (blocking while the learner is behind: backpressure, never a drop). A background task
 polls for newer weights and loads them without restarting the engine; tokens sampled
-after that carry the new version.
+after that carry the new version. Weights come over ZeroMQ, or, with
+``learner.weight_sync=nccl``, by NCCL broadcast into a vLLM GPU actor on the learner's
+machine (actors/weight_sync.py picks the channel and falls back to ZeroMQ).
 
 Surviving a learner restart (issue 7): a request that times out is retried with backoff
 until ``transport.connect_timeout_s`` of silence (ZeroMQ reconnects by itself; finished
@@ -27,6 +29,7 @@ from pathlib import Path
 
 from actors.engine import GenerationEngine
 from actors.rollout import Rollout
+from actors.weight_sync import WeightSync, ZmqWeights, build_weight_sync
 from arpo_async import protocol as P
 from arpo_async.metrics import append_jsonl, probe_sequence
 from arpo_async.tasks import PromptSource, saved_position
@@ -58,36 +61,30 @@ class Actor:
         self._lost_contact = False  # a request timed out: say Hello when it answers again
         self._in_flight: set[int] = set()  # stream positions of prompts not yet delivered
         self._probe_path = Path(cfg.run.dir) / f"actor{actor_id}_probe.jsonl"
+        # ZeroMQ until run() has met the learner and picked the configured channel
+        self.weights: WeightSync = ZmqWeights(_RetriedControl(self), actor_id)
 
     # ------------------------------------------------------------------ weights
     async def sync_weights(self) -> None:
-        """Load newer weights; or, when the learner is behind us (it resumed from an older
-        checkpoint), load the version it publishes now."""
+        """Load newer weights over the configured channel; or, when the learner is behind
+        us (it resumed from an older checkpoint), load the version it publishes now."""
         async with self._weights_lock:
             behind = 0 <= self._learner_version < self.engine.version
-            have = -1 if behind else self.engine.version
-            reply = await self._request(P.WeightsRequest(self.actor_id, have))
-            if not isinstance(reply, (P.WeightsUpdate, P.Ack)) or (
-                    isinstance(reply, P.Ack) and not reply.ok):
-                detail = reply.reason if isinstance(reply, P.Ack) else type(reply).__name__
-                raise P.ProtocolError("refused", f"weights request: {detail}")
-            update = reply if isinstance(reply, P.WeightsUpdate) else None
-            if update is None or update.version == self.engine.version \
-                    or (update.version < self.engine.version and not behind):
+            before = self.engine.version
+            got = await self.weights.sync(self.engine, -1 if behind else before)
+            if got is None:
                 return
-            if behind:
-                log.warning("actor %d: the learner restarted at v%d, behind our v%d: "
-                            "loading its weights", self.actor_id, update.version,
-                            self.engine.version)
-            paused = await self.engine.update_weights(update.tensors, update.version)
+            if got.version < before:
+                log.warning("actor %d: the learner restarted at v%d, behind our v%d: loaded "
+                            "its weights", self.actor_id, got.version, before)
             self.updates += 1
-            self.pause_s += paused
-            log.info("actor %d: weights v%d loaded (paused %.3f s)", self.actor_id,
-                     update.version, paused)
+            self.pause_s += got.paused_s
+            log.info("actor %d: weights v%d loaded over %s (paused %.3f s)", self.actor_id,
+                     got.version, got.channel, got.paused_s)
             if self.cfg.run.probe_logprobs:
                 prompt, tokens = probe_sequence(self.vocab_size)
                 lp = await self.engine.sequence_logprobs(prompt, tokens)
-                append_jsonl(self._probe_path, {"version": update.version, "logprobs": lp})
+                append_jsonl(self._probe_path, {"version": got.version, "logprobs": lp})
 
     async def _request(self, msg):
         """``control.request`` retried with backoff while the learner is away (restart,
@@ -213,6 +210,9 @@ class Actor:
             log.info("actor %d: continuing the prompt stream at position %d", self.actor_id,
                      start)
         await self._connect()
+        # learner.weight_sync=nccl: join the learner's NCCL group when this actor can
+        self.weights = await build_weight_sync(self.cfg, _RetriedControl(self), self.engine,
+                                               self.actor_id)
         await self.sync_weights()
         pollers = [asyncio.create_task(self._weights_loop()),
                    asyncio.create_task(self._heartbeat_loop())]
@@ -225,3 +225,24 @@ class Actor:
             await asyncio.gather(*pollers, return_exceptions=True)
         await self._request(P.Bye(self.actor_id, self.groups_sent, self.stats()))
         log.info("actor %d done: %d groups sent", self.actor_id, self.groups_sent)
+
+
+class _RetriedControl:
+    """The control channel as the weight channels (actors/weight_sync.py) use it: every
+    request goes through ``Actor._request``, so it is retried while the learner is away,
+    says Hello again after a learner restart, and notes the learner's version."""
+
+    def __init__(self, actor: Actor):
+        self._request = actor._request
+
+    async def request(self, msg):
+        return await self._request(msg)
+
+    async def fetch_weights(self, have_version: int, actor_id: int) -> P.WeightsUpdate | None:
+        reply = await self._request(P.WeightsRequest(actor_id, have_version))
+        if isinstance(reply, P.WeightsUpdate):
+            return reply
+        if isinstance(reply, P.Ack) and reply.ok:
+            return None
+        detail = reply.reason if isinstance(reply, P.Ack) else type(reply).__name__
+        raise P.ProtocolError("refused", f"weights request: {detail}")

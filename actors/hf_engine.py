@@ -70,7 +70,8 @@ class HFEngine:
         torch.set_num_threads(threads)
 
         def load():
-            model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=getattr(torch, dtype))
+            model = AutoModelForCausalLM.from_pretrained(str(model_path),
+                                                         dtype=getattr(torch, dtype))
             return model.eval(), AutoTokenizer.from_pretrained(str(model_path))
 
         model, tokenizer = await asyncio.to_thread(load)

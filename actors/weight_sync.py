@@ -1,7 +1,7 @@
 """How an actor receives new weights: the channel the config chooses, behind one call.
 
 - ``ZmqWeights``: fetch the full weights over the learner's control socket (any machine)
-  and load them with ``engine.update_weights``.
+  and load them with ``engine.update_weights`` (``load_update``: with their bfloat16 names).
 - ``NcclWeights`` (``learner.weight_sync=nccl``): a vLLM GPU actor on the learner's own
   machine joins an NCCL group with the learner once (vLLM's weight-transfer engine,
   ``vllm/distributed/weight_transfer/nccl_engine.py``), then at each safe point asks for
@@ -88,6 +88,16 @@ def update_info_from(header: P.NcclWeightsHeader) -> dict:
             "shapes": [list(s) for s in header.shapes]}
 
 
+async def load_update(engine: Any, update: P.WeightsUpdate) -> float:
+    """``engine.update_weights`` with the update's bfloat16 names (the uint16 arrays that
+    carry bfloat16 bits); seconds paused. A float32 update has none to pass, so engines
+    and wrappers without the argument keep working for it."""
+    if update.bf16_names:
+        return await engine.update_weights(update.tensors, update.version,
+                                           bf16_names=list(update.bf16_names))
+    return await engine.update_weights(update.tensors, update.version)
+
+
 class ZmqWeights:
     channel = "zmq"
 
@@ -100,7 +110,7 @@ class ZmqWeights:
         if update is None or update.version == engine.version or (
                 update.version < engine.version and have >= engine.version):
             return None
-        paused = await engine.update_weights(update.tensors, update.version)
+        paused = await load_update(engine, update)
         return WeightSyncResult(update.version, paused, self.channel)
 
 

@@ -1,6 +1,10 @@
 """Process supervision for ``arpo_async.launch``: resolve the config, start the roles,
 watch them, restart what died, stop everything cleanly, write the summary.
 
+The roles are those of arpo_async/plan.py, the plan ``--dry-run`` prints: the launcher
+starts the local ones and prints the commands of the remote actors (started by hand on
+their machines, docs/scale-out.md).
+
 Faults (issue 7): a dead actor is restarted after a backoff (``actors.restart_backoff_s``,
 doubling, at most 30 s) while the learner keeps training with the others; after
 ``actors.max_restarts`` restarts it is given up (the run goes on while any actor is
@@ -24,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from arpo_async.config import Config, ConfigError, load_config, save_config
+from arpo_async.plan import RoleSpec
+from arpo_async.plan import plan as process_plan
 
 
 def _free_port(host: str) -> int:
@@ -44,7 +50,7 @@ def resolve(args) -> Config:
     if args.quiet:
         cfg.run.quiet = True
     _check_security(cfg)
-    if not args.dry_run:
+    if not getattr(args, "dry_run", False):  # callers that only need the ports skip the model
         from arpo_async.tiny_model import ensure_model
 
         try:
@@ -194,54 +200,54 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def plan(cfg: Config, config_path: Path) -> list[Role]:
-    py = sys.executable
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
-               OMP_NUM_THREADS=str(cfg.learner.threads))
+def to_roles(cfg: Config, specs: list[RoleSpec]) -> list[Role]:
+    """The local roles of a process plan as processes to start (the remote ones are
+    started by hand on their machines)."""
     logs = Path(cfg.run.dir) / "logs"
-    w = cfg.learner.world_size
-    if w == 1:
-        learner_cmd = [py, "-m", "learner.main", "--config", str(config_path)]
-    else:
-        learner_cmd = [py, "-m", "torch.distributed.run", f"--nproc-per-node={w}",
-                       f"--master-port={_free_port('127.0.0.1')}", "-m", "learner.main",
-                       "--config", str(config_path)]
-    roles = [Role("learner", learner_cmd, env, logs / "learner.log")]
-    aenv = dict(env, OMP_NUM_THREADS=str(cfg.actors.threads))
-    per = cfg.sim.actors_per_process if cfg.actors.engine == "simulated" else 1
-    for first in range(0, cfg.actors.num, per):
-        last = min(first + per, cfg.actors.num) - 1
-        if per == 1:
-            roles.append(Role(f"actor{first}", [py, "-m", "actors.main", "--config",
-                                                str(config_path), "--actor-id", str(first)],
-                              aenv, logs / f"actor{first}.log"))
-        else:  # simulated actors share a process (actors/sim_engine.py)
-            roles.append(Role(f"actors{first}-{last}", [
-                py, "-m", "actors.sim_engine", "--config", str(config_path),
-                "--actor-ids", f"{first}-{last}"], aenv, logs / f"actors{first}-{last}.log"))
-    return roles
+    return [Role(s.name, list(s.argv), dict(os.environ, **s.env), logs / s.log)
+            for s in specs if s.local]
+
+
+def plan(cfg: Config, config_path: Path) -> list[Role]:
+    """What this launcher starts: arpo_async/plan.py's local roles, learner first, so a
+    real run starts exactly what ``--dry-run`` prints (with a free rendezvous port when
+    ``cluster.master_port`` is 0)."""
+    return to_roles(cfg, process_plan(cfg, config_path, master_port=_master_port(cfg)))
+
+
+def _master_port(cfg: Config) -> int:
+    return cfg.cluster.master_port or _free_port("127.0.0.1")
+
+
+def _print_remote(specs: list[RoleSpec]) -> None:
+    """The commands of the actors the user starts on other machines."""
+    remote = [s for s in specs if not s.local]
+    if not remote:
+        return
+    print(f"start these {len(remote)} actor(s) on their machines (after the learner is up):",
+          flush=True)
+    for s in remote:
+        print(f"  {s.name} on {s.host} ({s.devices}): {s.command()}", flush=True)
 
 
 def launch(args) -> int:
     cfg = resolve(args)
     run_dir = Path(cfg.run.dir)
     config_path = run_dir / "config.yaml"
-    roles = plan(cfg, config_path)
+    specs = process_plan(cfg, config_path, master_port=_master_port(cfg))
+    roles = to_roles(cfg, specs)
     if args.resume:
-        roles[0].cmd = _with_resume(roles[0].cmd)
-    if args.dry_run:
-        print(f"config OK; run folder {run_dir}")
-        for r in roles:
-            print(f"  {r.name:10s} on localhost: {' '.join(r.cmd)}")
-        return 0
+        roles[0].cmd = _with_resume(roles[0].cmd, cfg.cluster.master_port)
     run_dir.mkdir(parents=True, exist_ok=True)
     events = Events(run_dir)
     if args.resume:
         _adopt(roles, run_dir, events)
     save_config(cfg, config_path)
-    from arpo_async.dsops import prebuild_deepspeed_ops
+    if cfg.cluster.device == "cpu":  # GPU learners use DeepSpeed's CUDA ops instead
+        from arpo_async.dsops import prebuild_deepspeed_ops
 
-    prebuild_deepspeed_ops()
+        prebuild_deepspeed_ops()
+    _print_remote(specs)
     from arpo_async.progress import Progress
 
     progress = Progress(cfg)
@@ -269,12 +275,20 @@ def launch(args) -> int:
     return 0
 
 
-def _with_resume(cmd: list[str]) -> list[str]:
-    """The learner command that continues from the newest checkpoint (a fresh torchrun
-    rendezvous port: the dead one's may linger in TIME_WAIT)."""
-    cmd = [f"--master-port={_free_port('127.0.0.1')}" if c.startswith("--master-port=") else c
-           for c in cmd]
-    return cmd if "--resume" in cmd else cmd + ["--resume"]
+def _with_resume(cmd: list[str], fixed_port: int = 0) -> list[str]:
+    """The learner command that continues from the newest checkpoint, with a fresh
+    rendezvous port (the dead one's may linger in TIME_WAIT) unless ``cluster.master_port``
+    fixed it (``fixed_port``): torchrun's ``--master-port=P`` or DeepSpeed's
+    ``--master_port P``."""
+    port = str(fixed_port or _free_port("127.0.0.1"))
+    out = []
+    for i, c in enumerate(cmd):
+        if c.startswith("--master-port="):
+            c = f"--master-port={port}"
+        elif i > 0 and cmd[i - 1] == "--master_port":
+            c = port
+        out.append(c)
+    return out if "--resume" in out else out + ["--resume"]
 
 
 def _backoff(base_s: float, restarts: int) -> float:
@@ -301,7 +315,7 @@ def _watch(cfg: Config, roles: list[Role], progress, run_dir: Path,
                                   f"restarts:\n{learner.tail()}")
             learner.restarts += 1
             _signal_group(learner.proc, signal.SIGKILL)  # torchrun ranks left behind
-            learner.cmd = _with_resume(learner.cmd)
+            learner.cmd = _with_resume(learner.cmd, cfg.cluster.master_port)
             due[learner.name] = now + _backoff(cfg.actors.restart_backoff_s, learner.restarts)
             from learner.checkpoint import latest_checkpoint
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from arpo_async.config import Config
 from learner.batching import Batch, LeafSample, balanced_split, collate, token_logprobs
+from learner.device import model_load_kwargs, prepare_model, setup_device, to_device
 from learner.losses import LossInputs, LossSettings, policy_loss
 
 log = logging.getLogger("learner")
@@ -62,10 +63,12 @@ class PolicyTrainer:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.micro_batches = cfg.learner.micro_batches
+        self.device = setup_device(cfg)  # CPU, or this rank's GPU (learner/device.py)
         tok = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        model.config.use_cache = False
+        # CPU: float32 master weights, sdpa; GPU: the training dtype, flash-attn if present
+        model = AutoModelForCausalLM.from_pretrained(model_path, **model_load_kwargs(cfg))
+        prepare_model(model, cfg)
         optim = torch.optim.AdamW(model.parameters(), lr=cfg.learner.lr,
                                   weight_decay=cfg.learner.weight_decay)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
@@ -89,8 +92,10 @@ class PolicyTrainer:
         """One optimizer step on this rank's samples; collective over all ranks."""
         t0 = time.perf_counter()
         chunks = balanced_split(samples, self.micro_batches)
-        batches = [collate(c, self.pad_id) for c in chunks]
-        local = torch.tensor([sum(b.num_weighted for b in batches)], dtype=torch.float64)
+        batches = [to_device(collate(c, self.pad_id), self.device) for c in chunks]
+        # on the device: NCCL reduces only GPU tensors
+        local = torch.tensor([sum(b.num_weighted for b in batches)], dtype=torch.float64,
+                             device=self.device)
         if dist.is_initialized():
             dist.all_reduce(local)
         total = max(float(local.item()), 1.0)
@@ -134,7 +139,7 @@ class PolicyTrainer:
         dtype = _DTYPES[self.cfg.model.dtype]
         out = {}
         for name, p in params.items():
-            t = p.detach().to(dtype).contiguous()
+            t = p.detach().to(dtype).cpu().contiguous()  # cast on the device, then copy
             out[name] = (t.view(torch.uint16).numpy().copy() if dtype == torch.bfloat16
                          else t.numpy().copy())
         return out
@@ -166,7 +171,7 @@ class PolicyTrainer:
     @torch.no_grad()
     def sequence_logprobs(self, prompt: list[int], tokens: list[int]) -> list[float]:
         """Log-probs of ``tokens`` after ``prompt`` at temperature 1 (actor agreement check)."""
-        ids = torch.tensor([prompt + tokens], dtype=torch.long)
+        ids = torch.tensor([prompt + tokens], dtype=torch.long, device=self.device)
         out = self.engine(input_ids=ids, attention_mask=torch.ones_like(ids))
         logp = token_logprobs(out.logits, ids)[0]
         return logp[len(prompt) - 1:].tolist()

@@ -1,7 +1,8 @@
 """The GPU path on real CUDA: the learner's device helpers (bf16 load, flash-attention when
-installed, gradient checkpointing), vLLM's async engine on the GPU (CUDA graphs, prefix
-caching, a memory fraction) with in-place weight updates, and NCCL weight sync from the
-learner's NcclWeightServer into a vLLM actor on another GPU.
+installed, gradient checkpointing) and its real start-up and trainer (NCCL group, a
+DeepSpeed step on the GPU, host copies of the weights), vLLM's async engine on the GPU
+(CUDA graphs, prefix caching, a memory fraction) with in-place weight updates, and NCCL
+weight sync from the learner's NcclWeightServer into a vLLM actor on another GPU.
 
 Marked ``gpu``: skipped without a GPU (tests/conftest.py). The NCCL test needs two GPUs
 (NCCL puts one rank on one GPU). Written against vLLM 0.32; not yet run in this repo.
@@ -89,6 +90,62 @@ def test_learner_device_helpers_train_on_the_gpu(tiny_model_dir):
     loss.backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads)
+
+
+# The learner's own start-up and trainer on the GPU, in a process of its own (it joins a
+# torch.distributed group): NCCL backend, bf16 load, a DeepSpeed step on cuda, weights
+# copied back to the host for the broadcast, the probe's log-probs.
+_GPU_TRAINER = r"""
+import json, sys
+import numpy as np
+import torch
+import torch.distributed as dist
+from arpo_async.config import config_from_dict
+from learner import main as M
+from learner.batching import LeafSample
+
+model = sys.argv[1]
+cfg = config_from_dict({"cluster": {"device": "cuda"}, "model": {"path": model,
+                        "dtype": "bfloat16"}, "learner": {"lr": 0.01}})
+M._init_distributed(cfg)
+from learner.trainer import PolicyTrainer
+trainer = PolicyTrainer(cfg, model)
+before = trainer.full_state()
+rng = np.random.default_rng(0)
+samples = [LeafSample(rng.integers(1, 500, 5).astype(np.int32),
+                      rng.integers(1, 500, 12).astype(np.int32), np.ones(12, np.float32),
+                      np.full(12, -3.0, np.float32), rng.standard_normal(12).astype(np.float32),
+                      np.zeros(12, np.int32)) for _ in range(3)]
+metrics = trainer.train_step(samples)
+after = trainer.full_state()
+param = next(trainer.engine.module.parameters())
+print(json.dumps({
+    "backend": dist.get_backend(), "device": str(param.device), "dtype": str(param.dtype),
+    "attn": trainer.engine.module.config._attn_implementation,
+    "state_dtypes": sorted({str(a.dtype) for a in after.values()}),
+    "changed": sum(not np.array_equal(before[k], after[k]) for k in after),
+    "grad_norm": metrics["grad_norm"],
+    "probe": trainer.sequence_logprobs([1, 2, 3], [4, 5, 6]),
+}))
+"""
+
+
+def test_learner_trains_on_the_gpu_over_nccl(tiny_model_dir):
+    import json
+    import subprocess
+
+    from tests.conftest import PY, REPO, python_env
+
+    env = python_env() | {"DS_ACCELERATOR": "cuda"}
+    res = subprocess.run([PY, "-c", _GPU_TRAINER, str(tiny_model_dir)], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["backend"] == "nccl" and out["device"].startswith("cuda")
+    assert out["dtype"] == "torch.bfloat16"  # loaded in the training dtype on GPU
+    assert out["state_dtypes"] == ["uint16"]  # bfloat16 bits on the host, for the broadcast
+    assert out["changed"] > 0 and np.isfinite(out["grad_norm"]) and out["grad_norm"] > 0
+    assert len(out["probe"]) == 3 and all(np.isfinite(out["probe"]))
 
 
 async def test_vllm_engine_on_gpu_generates_and_updates_in_place(tiny_model_dir):
