@@ -5,7 +5,13 @@ torch ``FileBaton``: a lock file with no owner. A process killed mid-compile (Ct
 during the first run) leaves that file behind and every later learner waits on it
 forever. The launcher therefore builds the op itself, serialised by an ``flock`` that
 all arpo_async launchers share; whoever holds the flock knows that a leftover baton is
-stale and removes it.
+stale and removes it. Every learner process also goes through ``prebuild_deepspeed_ops``
+before DeepSpeed starts, so it never compiles outside the flock (a learner compiling
+while another process "cleans up" its lock would crash).
+
+The build folder belongs to the virtual environment (``TORCH_EXTENSIONS_DIR``, default
+``sys.prefix/torch_extensions``): two checkouts with their own environments share no
+build, so they never rebuild each other's op with their own include paths.
 """
 
 from __future__ import annotations
@@ -13,12 +19,20 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import sys
 from pathlib import Path
 
 log = logging.getLogger("arpo_async.dsops")
 
 
+def extensions_dir() -> str:
+    """This environment's torch extension folder (set for this process and its children)."""
+    return os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+
+
 def prebuild_deepspeed_ops() -> None:
+    """Build (or load) DeepSpeed's CPU comm op under the shared flock."""
+    extensions_dir()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.accelerator import get_accelerator
     from torch.utils.cpp_extension import _get_build_directory

@@ -23,16 +23,28 @@ from pathlib import Path
 log = logging.getLogger("learner")
 
 
-def _init_distributed() -> None:
+def _init_distributed(cfg=None) -> None:
+    """Join the learner's process group: NCCL on GPUs (``cluster.device=cuda``, each rank
+    on ``cuda:LOCAL_RANK``), gloo on CPU and when no config is given (tests, benches)."""
     if "WORLD_SIZE" not in os.environ:  # single rank without torchrun
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    backend = "gloo"
+    if cfg is None or cfg.cluster.device == "cpu":
+        from arpo_async.dsops import prebuild_deepspeed_ops
+
+        prebuild_deepspeed_ops()  # under the launchers' flock: never compile beside another
+    if cfg is not None:
+        from learner.device import dist_backend, setup_device
+
+        setup_device(cfg)  # before NCCL: a rank's communicator binds its current GPU
+        backend = dist_backend(cfg)
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend=backend)
 
 
 def _scatter(obj_per_rank, rank: int, world: int):
@@ -136,7 +148,7 @@ def run(cfg, resume: bool = False) -> dict:
 
     torch.set_num_threads(cfg.learner.threads)
     torch.manual_seed(cfg.run.seed)
-    _init_distributed()
+    _init_distributed(cfg)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     run_dir = Path(cfg.run.dir)
     log.info("rank %d/%d: building the DeepSpeed engine (ZeRO-%d)", rank, world,
@@ -150,6 +162,7 @@ def run(cfg, resume: bool = False) -> dict:
     writer = MetricsWriter(run_dir) if rank == 0 else None
     probe = probe_sequence(model_cfg.vocab_size)
     step = meta["step"] if meta else 0
+    first_step = step
     restarts = meta.get("learner_restarts", 0) + 1 if meta else 0
     t_start = time.time() - (meta["wall_time"] if meta else 0.0)
 
@@ -179,7 +192,8 @@ def run(cfg, resume: bool = False) -> dict:
         t0 = time.perf_counter()
         parts, stats, groups = None, {}, []
         if rank == 0:
-            groups = service.collect(cfg.learner.batch_groups, cfg.learner.wait_timeout_s, time_up)
+            groups = [] if time_up() else service.collect(cfg.learner.batch_groups,
+                                                          cfg.learner.wait_timeout_s, time_up)
             if groups:
                 samples, stats = samples_from_groups(groups, cfg.learner.loss.advantage)
                 parts = balanced_split(samples, world)
@@ -204,6 +218,9 @@ def run(cfg, resume: bool = False) -> dict:
                 "wall_time": time.time() - t_start, "wait_s": wait_s,
                 "step_time_s": time.perf_counter() - t0, "broadcast_time_s": broadcast_s,
                 "checkpoint_time_s": checkpoint_s, "learner_restarts": restarts})
+    if every and step % every and first_step < step < cfg.learner.max_steps:
+        # the time limit ended the run between checkpoints: keep its final weights as well
+        _checkpoint(cfg, trainer, rank, world, step, state)
     result = {"steps": step, "wall_time_s": time.time() - t_start, "learner_restarts": restarts,
               "resumed_from": meta["step"] if meta else None}
     if rank == 0:
