@@ -16,7 +16,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-DEFAULT_CONFIG = CONFIG_DIR / "default.yaml"
+DEFAULT_CONFIG = CONFIG_DIR / "default.yaml"  # the whole job (pipeline): SFT, ARPO, eval
+SPINE_CONFIG = CONFIG_DIR / "spine.yaml"  # the RL stage alone, small: tests and benchmarks
 
 
 class ConfigError(ValueError):

@@ -312,6 +312,8 @@ def _save(fig, path: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from arpo_async.config import SPINE_CONFIG
+
     p = argparse.ArgumentParser(prog="python -m arpo_async.experiments", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -325,10 +327,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="extra seconds a run may take to start before it is stopped")
     s.add_argument("--out", default="runs/sweep", help="output folder")
     s.add_argument("--config", default=None,
-                   help="base YAML config (default: configs/default.yaml)")
+                   help="base YAML config (default: configs/spine.yaml, the RL stage alone)")
     s.add_argument("overrides", nargs="*", metavar="key=value",
                    help="config overrides for every run")
     args = p.parse_args(argv)
+    args.config = args.config or str(SPINE_CONFIG)
     args.actors = parse_ints(args.actors, "--actors")
     args.max_staleness = parse_ints(args.max_staleness, "--max-staleness")
     if 0 in args.actors:

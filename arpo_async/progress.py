@@ -35,6 +35,8 @@ class Progress:
             return {"step": f"0/{total}", "elapsed": f"{elapsed:.0f}s", "status": "starting"}
         step = row["step"]
         eta = (row["wall_time"] / step) * (total - step) if step else float("nan")
+        if self.cfg.run.time_limit_s > 0:  # the time limit may end the run first
+            eta = min(eta, max(self.cfg.run.time_limit_s - row["wall_time"], 0.0))
         svc = row.get("service", {})
         actor_tps = [v for k, v in svc.items() if k.endswith("/tokens_per_s")]
         tool_hits = [v for k, v in svc.items() if k.endswith("tools/cache_hits")]

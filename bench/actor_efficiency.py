@@ -41,9 +41,9 @@ SCRATCH = SCRATCH_DIR
 
 
 def bench_config(model: str, slots: int, group_size: int, extra: list[str]):
-    from arpo_async.config import load_config
+    from arpo_async.config import SPINE_CONFIG, load_config
 
-    return load_config(overrides=[
+    return load_config(SPINE_CONFIG, overrides=[
         f"model.path={model}", "actors.engine=vllm", f"actors.concurrent_groups={slots}",
         "rollout.mode=grpo", f"rollout.group_size={group_size}",
         f"rollout.initial_samples={group_size}", "rollout.tool_call_limit=3",

@@ -93,11 +93,11 @@ def stage_costs(batch: int, reps: int = 20) -> dict:
 
 
 def ingest_rate(count: int, batch: int) -> dict:
-    from arpo_async.config import load_config
+    from arpo_async.config import SPINE_CONFIG, load_config
     from learner.batching import balanced_split, collate, samples_from_groups
     from learner.service import LearnerService
 
-    cfg = load_config(overrides=[f"transport.trajectory_port={free_port()}",
+    cfg = load_config(SPINE_CONFIG, overrides=[f"transport.trajectory_port={free_port()}",
                                  f"transport.control_port={free_port()}", "actors.num=1",
                                  "learner.max_staleness=1000000", f"learner.batch_groups={batch}"])
     service = LearnerService(cfg)

@@ -11,6 +11,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 DATA_DIR = REPO.parent / "shared" / "data"
+# The RL stage alone, small (configs/default.yaml is the whole job: SFT, RL, evaluation).
+SPINE = str(REPO / "configs" / "spine.yaml")
 
 
 def pytest_collection_modifyitems(config, items):
