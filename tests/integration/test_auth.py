@@ -18,13 +18,13 @@ import pytest
 import yaml
 import zmq
 
-from tests.conftest import PY, REPO, python_env
+from tests.conftest import PY, REPO, SPINE, python_env
 
 pytestmark = [pytest.mark.integration]
 
 
 def _launch(*args: str, env: dict | None = None, timeout: float = 60):
-    return subprocess.run([PY, "-m", "arpo_async.launch", *args], cwd=REPO,
+    return subprocess.run([PY, "-m", "arpo_async.launch", "--config", SPINE, *args], cwd=REPO,
                           env=env or python_env(), capture_output=True, text=True,
                           timeout=timeout)
 

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from arpo_async.experiments import COLUMNS, summarize_run
-from tests.conftest import PY, REPO, python_env
+from tests.conftest import PY, REPO, SPINE, python_env
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -89,7 +89,7 @@ def test_sweep_2x2_simulated(tiny_model_dir, tmp_path):
 @pytest.mark.integration
 def test_64_simulated_actors_in_one_process_lose_nothing(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [PY, "-m", "arpo_async.launch", "--quiet", f"run.dir={run_dir}",
+    cmd = [PY, "-m", "arpo_async.launch", "--quiet", "--config", SPINE, f"run.dir={run_dir}",
            f"model.path={tiny_model_dir}", "actors.engine=simulated", "actors.num=64",
            "sim.actors_per_process=64", "learner.max_steps=4", "learner.batch_groups=8",
            "rollout.mode=arpo", "rollout.group_size=4", "rollout.initial_samples=2",

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.conftest import PY, REPO, python_env
+from tests.conftest import PY, REPO, SPINE, python_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -31,7 +31,7 @@ class Run:
     def __init__(self, run_dir: Path, model: Path, *overrides: str):
         self.dir = run_dir
         self.out = (run_dir.parent / f"{run_dir.name}.out").open("w")
-        cmd = [PY, "-m", "arpo_async.launch", "--quiet", f"run.dir={run_dir}",
+        cmd = [PY, "-m", "arpo_async.launch", "--quiet", "--config", SPINE, f"run.dir={run_dir}",
                f"model.path={model}", "learner.loss.entropy_coef=0.01", *overrides]
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=python_env(), stdout=self.out,
                                      stderr=subprocess.STDOUT)

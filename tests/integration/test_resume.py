@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import PY, REPO, python_env
+from tests.conftest import PY, REPO, SPINE, python_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -27,7 +27,7 @@ _TRAINER = r"""
 import sys
 from pathlib import Path
 import numpy as np
-from arpo_async.config import load_config
+from arpo_async.config import SPINE_CONFIG as SPINE, load_config
 from learner import main as M
 from learner.batching import LeafSample, balanced_split
 
@@ -35,7 +35,7 @@ mode, run_dir, model, zero = sys.argv[1], Path(sys.argv[2]), sys.argv[3], sys.ar
 M._init_distributed()
 import torch.distributed as dist
 rank, world = dist.get_rank(), dist.get_world_size()
-cfg = load_config(None, [f"run.dir={run_dir}", f"model.path={model}", f"learner.zero_stage={zero}",
+cfg = load_config(SPINE, [f"run.dir={run_dir}", f"model.path={model}", f"learner.zero_stage={zero}",
                          f"learner.world_size={world}", "learner.lr=0.01"])
 from learner.trainer import PolicyTrainer
 trainer = PolicyTrainer(cfg, model)
@@ -143,8 +143,9 @@ async def test_vllm_loads_a_checkpoint_folder(tiny_model_dir, tmp_path):
 
 
 def _launch(*args: str, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([PY, "-m", "arpo_async.launch", "--quiet", *args], cwd=REPO,
-                            env=python_env(), stdout=log.open("a"), stderr=subprocess.STDOUT)
+    return subprocess.Popen([PY, "-m", "arpo_async.launch", "--quiet", "--config", SPINE, *args],
+                            cwd=REPO, env=python_env(), stdout=log.open("a"),
+                            stderr=subprocess.STDOUT)
 
 
 def _rows(run_dir: Path) -> list[dict]:

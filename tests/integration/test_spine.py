@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.conftest import PY, REPO, python_env
+from tests.conftest import PY, REPO, SPINE, python_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 def _launch(run_dir: Path, model: Path, *overrides: str, timeout: float = 420):
     # A random model almost never solves the arithmetic task, so rewards are all 0 and the
     # policy gradient vanishes; a small entropy bonus makes every step change the weights.
-    cmd = [PY, "-m", "arpo_async.launch", "--quiet", f"run.dir={run_dir}",
+    cmd = [PY, "-m", "arpo_async.launch", "--quiet", "--config", SPINE, f"run.dir={run_dir}",
            f"model.path={model}", "learner.loss.entropy_coef=0.01", *overrides]
     return subprocess.run(cmd, cwd=REPO, env=python_env(), capture_output=True, text=True,
                           timeout=timeout)
@@ -117,7 +117,7 @@ def test_zero3_two_learner_ranks(tiny_model_dir, tmp_path):
     ("model.build_if_missing=false", "model.path"),
 ])
 def test_bad_config_fails_at_start(tmp_path, override, needle):
-    cmd = [PY, "-m", "arpo_async.launch", f"run.dir={tmp_path / 'run'}",
+    cmd = [PY, "-m", "arpo_async.launch", "--config", SPINE, f"run.dir={tmp_path / 'run'}",
            f"model.path={tmp_path / 'no-such-model'}", override]
     res = subprocess.run(cmd, cwd=REPO, env=python_env(), capture_output=True, text=True,
                          timeout=60)

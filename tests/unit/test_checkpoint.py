@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from arpo_async.config import load_config
+from arpo_async.config import SPINE_CONFIG, load_config
 from arpo_async.protocol import Trajectory, TrajectoryGroup
 from arpo_async.tasks import PromptSource, saved_position
 from learner import checkpoint as C
@@ -194,7 +194,7 @@ def tokenizer(tiny_model_dir):
 
 
 def test_seek_continues_the_stream_exactly(tokenizer):
-    cfg = load_config(None, ["task.num_prompts=7"])
+    cfg = load_config(SPINE_CONFIG, ["task.num_prompts=7"])
     whole = PromptSource(cfg, tokenizer, stream=3)
     ids = [whole.next().id for _ in range(30)]
     assert whole.position == 30

@@ -8,7 +8,7 @@ import shlex
 
 import pytest
 
-from arpo_async.config import ConfigError, config_from_dict, load_config
+from arpo_async.config import SPINE_CONFIG, ConfigError, config_from_dict, load_config
 from arpo_async.plan import (
     actor_gpu_slices,
     check_placement,
@@ -34,7 +34,7 @@ def gpu(**extra):
 
 
 def test_default_cpu_plan_is_the_launchers_old_layout():
-    cfg = load_config(None, ["actors.num=2", "learner.threads=3", "actors.threads=2"])
+    cfg = load_config(SPINE_CONFIG, ["actors.num=2", "learner.threads=3", "actors.threads=2"])
     learner, *actors = plan(cfg, CFG_PATH, python="PY")
     assert learner.argv == ("PY", "-m", "learner.main", "--config", CFG_PATH)
     assert learner.env["OMP_NUM_THREADS"] == "3" and learner.env["DS_ACCELERATOR"] == "cpu"

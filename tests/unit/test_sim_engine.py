@@ -14,12 +14,12 @@ import pytest
 from actors.engine import GenRequest
 from actors.entropy import entropy_from_topk, window_entropy
 from actors.sim_engine import EntropyTable, SimulatedEngine, load_vocab, parse_ids
-from arpo_async.config import load_config
+from arpo_async.config import SPINE_CONFIG, load_config
 from toolenv.tags import find_tool_call
 
 
 def _cfg(model: Path, *overrides: str):
-    return load_config(overrides=["actors.engine=simulated", f"model.path={model}",
+    return load_config(SPINE_CONFIG, overrides=["actors.engine=simulated", f"model.path={model}",
                                   "sim.tokens_per_s=100000", *overrides])
 
 
@@ -203,7 +203,7 @@ def test_parse_ids():
 def test_launcher_groups_simulated_actors(tmp_path):
     from arpo_async.supervisor import plan
 
-    cfg = load_config(overrides=["actors.engine=simulated", "actors.num=5",
+    cfg = load_config(SPINE_CONFIG, overrides=["actors.engine=simulated", "actors.num=5",
                                  "sim.actors_per_process=2", f"run.dir={tmp_path}"])
     roles = plan(cfg, tmp_path / "config.yaml")
     assert [r.name for r in roles] == ["learner", "actors0-1", "actors2-3", "actors4-4"]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from arpo_async import supervisor
-from arpo_async.config import config_from_dict, load_config
+from arpo_async.config import SPINE_CONFIG, config_from_dict, load_config
 from arpo_async.plan import RoleSpec
 from arpo_async.plan import plan as process_plan
 
@@ -38,7 +38,7 @@ CONFIG = Path("runs/t/config.yaml")
 
 
 def test_default_config_roles_are_the_plans(tmp_path):
-    cfg = load_config(None, [f"run.dir={tmp_path}", "learner.threads=3", "actors.threads=2"])
+    cfg = load_config(SPINE_CONFIG, [f"run.dir={tmp_path}", "learner.threads=3", "actors.threads=2"])
     roles = supervisor.plan(cfg, CONFIG)
     _assert_same(cfg, roles, process_plan(cfg, CONFIG))
     learner, *actors = roles
@@ -62,7 +62,7 @@ def test_two_learner_ranks_get_a_free_rendezvous_port_unless_one_is_fixed(tmp_pa
 
 
 def test_simulated_actors_share_processes_as_the_plan_groups_them(tmp_path):
-    cfg = load_config(None, [f"run.dir={tmp_path}", "actors.engine=simulated", "actors.num=5",
+    cfg = load_config(SPINE_CONFIG, [f"run.dir={tmp_path}", "actors.engine=simulated", "actors.num=5",
                              "sim.actors_per_process=2"])
     roles = supervisor.plan(cfg, CONFIG)
     _assert_same(cfg, roles, process_plan(cfg, CONFIG))
