@@ -3,9 +3,10 @@
 Actors ask for tickets before starting a group (admission control keeps the number of
 groups in flight within the staleness bound), send finished groups on the trajectory
 channel, and fetch weights over the control channel. This class owns both sockets, the
-admission controller and the staleness filter, and keeps an exact per-actor ledger:
-every group an actor says it sent is trained on, dropped with a reason, or counted lost.
-The control handler runs on the transport's server thread, hence the lock.
+admission controller and the staleness filter, and keeps an exact per-actor ledger
+(learner/ledger.py): every group an actor says it sent is trained on, dropped with a
+reason, or counted lost. The control handler runs on the transport's server thread,
+hence the lock.
 
 Faults it survives (issue 7):
 - hostile input: a group that decodes but is not trainable (token ids outside the
@@ -33,7 +34,6 @@ import math
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
@@ -44,6 +44,10 @@ from arpo_async.plan import total_actors
 from arpo_async.remote import ConfigServer
 from arpo_async.staleness import Admission, StalenessFilter
 from arpo_async.transport import ControlServer, TrajectoryReceiver
+from learner.ledger import ActorLedger, Ledger, peer_count
+
+# ActorLedger and _count moved to learner/ledger.py; re-exported for older imports
+__all__ = ["ActorLedger", "LearnerService", "check_group", "_count"]
 
 log = logging.getLogger("learner.service")
 
@@ -52,58 +56,7 @@ _SHUTDOWN_QUIET_S = 3.0  # after every Bye, this long without a group means none
 _SHUTDOWN_MAX_S = 300.0  # the longest a learner waits for live actors' Bye at the end
 _LEAVES_PER_GROUP_SIZE = 4  # a group may hold at most this many times rollout.group_size leaves
 
-
-@dataclass
-class ActorLedger:
-    pid: int = 0  # current incarnation (from Hello)
-    hello: bool = False  # said Hello to this learner process
-    granted: int = 0  # tickets granted to the current incarnation by this learner
-    used: int = 0  # of those, groups received
-    orphaned: int = 0  # groups in flight whose tickets were released while it was silent
-    bye: bool = False
-    received_total: int = 0
-    trained: int = 0
-    dropped: Counter = field(default_factory=Counter)
-    sent_by_pid: dict = field(default_factory=dict)  # incarnation -> groups it said it sent
-    received_by_pid: dict = field(default_factory=dict)
-    version: int = -1
-    last_seen: float = 0.0
-    stats: dict = field(default_factory=dict)
-
-    def sent(self) -> int:
-        """Groups sent over all incarnations; a dead one counts at least what arrived."""
-        pids = set(self.sent_by_pid) | set(self.received_by_pid)
-        return sum(max(self.sent_by_pid.get(p, 0), self.received_by_pid.get(p, 0))
-                   for p in pids)
-
-    def lost(self) -> int:
-        return self.sent() - self.received_total
-
-    def to_state(self) -> dict:
-        return {"pid": self.pid, "received_total": self.received_total,
-                "trained": self.trained, "dropped": dict(self.dropped),
-                "sent_by_pid": {str(k): v for k, v in self.sent_by_pid.items()},
-                "received_by_pid": {str(k): v for k, v in self.received_by_pid.items()},
-                "data_pos": self.stats.get("data_pos")}
-
-    @classmethod
-    def from_state(cls, d: dict) -> ActorLedger:
-        led = cls(pid=int(d.get("pid", 0)), received_total=int(d.get("received_total", 0)),
-                  trained=int(d.get("trained", 0)), dropped=Counter(d.get("dropped", {})))
-        led.sent_by_pid = {int(k): int(v) for k, v in d.get("sent_by_pid", {}).items()}
-        led.received_by_pid = {int(k): int(v) for k, v in d.get("received_by_pid", {}).items()}
-        if d.get("data_pos") is not None:
-            led.stats["data_pos"] = d["data_pos"]
-        return led
-
-
-def _count(value, default: int) -> int:
-    """A non-negative integer from a peer's stats (floats on the wire), else ``default``:
-    a NaN or absurd number from a peer must not raise in the learner."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) \
-            and math.isfinite(value) and 0 <= value < 2**62:
-        return int(value)
-    return default
+_count = peer_count
 
 
 def check_group(group: P.TrajectoryGroup, vocab_size: int | None, max_tokens: int | None,
@@ -162,7 +115,7 @@ class LearnerService:
         self.version = 0  # learner version: optimizer steps taken
         self.published = -1  # newest version actors can fetch
         self.stopping = False
-        self.actors: dict[int, ActorLedger] = {}
+        self.ledger = Ledger()
         self.invalid: Counter = Counter()  # groups that decoded but cannot be trained on
         self.events: Counter = Counter()  # untracked groups, expired tickets, restarts...
         self.wait_s = 0.0  # time spent waiting for trajectories
@@ -184,54 +137,43 @@ class LearnerService:
         self.control.start()
 
     # ---------------------------------------------------------------- control thread
-    def _ledger(self, actor_id: int) -> ActorLedger:
-        return self.actors.setdefault(actor_id, ActorLedger())
-
     def _handle(self, msg, _peer: bytes):
         with self.lock:
             if isinstance(msg, P.TicketRequest):
                 return self._ticket(msg)
             if isinstance(msg, P.ConfigRequest):  # before the ledger: not an actor yet
                 return self.config_server.handle(
-                    msg, {i: a.last_seen for i, a in self.actors.items()})
+                    msg, {i: a.last_seen for i, a in self.ledger.actors.items()})
             if isinstance(msg, (P.NcclJoinRequest, P.NcclWeightsRequest)):
                 if self.fast_weights is None:
                     return P.Ack(ok=False, reason="learner.weight_sync is zmq")
                 return self.fast_weights.handle(msg)
-            led = self._ledger(msg.actor_id) if hasattr(msg, "actor_id") else None
-            if led is not None:
-                led.last_seen = time.time()
+            if hasattr(msg, "actor_id"):
+                self.ledger.actor(msg.actor_id).last_seen = time.time()
             if isinstance(msg, P.Hello):
-                self._hello(led, msg)
+                self._hello(msg)
             elif isinstance(msg, P.Heartbeat):
-                led.version, led.stats = msg.version, dict(msg.stats)
-                pid = _count(msg.stats.get("pid"), led.pid)
-                if pid and "groups_sent" in msg.stats:
-                    led.sent_by_pid[pid] = _count(msg.stats["groups_sent"], 0)
-                if not led.hello:
+                if not self.ledger.heartbeat(msg.actor_id, msg.version, msg.stats):
                     return P.Ack(ok=False, reason=HELLO_REQUIRED, learner_version=self.published)
             elif isinstance(msg, P.Bye):
-                led.bye, led.stats = True, dict(msg.stats)
-                led.sent_by_pid[_count(msg.stats.get("pid"), led.pid)] = max(msg.groups_sent, 0)
+                self.ledger.bye(msg.actor_id, msg.groups_sent, msg.stats)
                 log.info("actor %d said bye after %d groups", msg.actor_id, msg.groups_sent)
             return P.Ack(ok=True, learner_version=self.published)
 
-    def _hello(self, led: ActorLedger, msg: P.Hello) -> None:
-        if led.pid and led.pid != msg.pid:  # a restarted actor: its tickets are void
-            self._release(led, "actor_restart")
-            self.events["actor_restarts"] += 1
-        elif led.hello:
-            # The same process after losing us for a while: ticket requests it retried may
-            # have been granted twice, and only it knows. Release what is outstanding; its
-            # groups in flight then arrive as orphans (counted, never released twice).
-            led.orphaned += self._release(led, "actor_reconnect")
-            self.events["actor_reconnects"] += 1
-        led.pid, led.version, led.hello, led.bye = msg.pid, msg.version, True, False
-        led.sent_by_pid.setdefault(msg.pid, 0)
+    def _hello(self, msg: P.Hello) -> None:
+        # A restarted actor's tickets are void. The same process saying Hello again lost
+        # us for a while: ticket requests it retried may have been granted twice, and only
+        # it knows; what is outstanding is released and its groups in flight arrive as
+        # orphans (counted, never released twice).
+        kind, voided = self.ledger.hello(msg.actor_id, msg.pid, msg.version)
+        if kind != "new":
+            if voided > 0:
+                self.admission.release(voided, f"actor_{kind}")
+            self.events[f"actor_{kind}s"] += 1
         log.info("actor %d connected (pid %d, version %d)", msg.actor_id, msg.pid, msg.version)
 
     def _ticket(self, msg: P.TicketRequest) -> P.TicketGrant:
-        led = self._ledger(msg.actor_id)
+        led = self.ledger.actor(msg.actor_id)
         led.last_seen, led.version = time.time(), msg.version
         if self.stopping:
             return P.TicketGrant(0, self.published, stop=True, reason="stopping")
@@ -240,7 +182,7 @@ class LearnerService:
         if msg.version > self.published >= 0:  # the learner restarted behind this actor
             return P.TicketGrant(0, self.published, reason="stale_ahead")
         if not self.gate_open:
-            connected = sum(1 for a in self.actors.values() if a.hello)
+            connected = self.ledger.connected()
             if connected < self.expected_actors and time.monotonic() < self.gate_deadline:
                 return P.TicketGrant(0, self.published, reason="waiting_for_actors")
             self.gate_open = True
@@ -248,40 +190,17 @@ class LearnerService:
         led.granted += granted
         return P.TicketGrant(granted, self.published, reason=reason)
 
-    def _release(self, led: ActorLedger, reason: str) -> int:
-        outstanding = led.granted - led.used
-        if outstanding > 0:
-            self.admission.release(outstanding, reason)
-        led.granted = led.used = 0
-        return max(outstanding, 0)
-
     # ---------------------------------------------------------------- main thread
-    def _uses_ticket(self, led: ActorLedger, group: P.TrajectoryGroup) -> bool:
-        """Whether ``group`` used a ticket still counted by admission (see module doc)."""
-        pid = _count(group.stats.get("pid"), led.pid)
-        led.received_by_pid[pid] = led.received_by_pid.get(pid, 0) + 1
-        if pid != led.pid:  # an earlier incarnation: released at its successor's Hello
-            return False
-        if led.orphaned > 0:
-            led.orphaned -= 1
-            return False
-        if led.used < led.granted:
-            led.used += 1
-            return True
-        return False
-
     def _accept(self, group: P.TrajectoryGroup) -> bool:
         reason = check_group(group, self.vocab_size, self.max_tokens, self.max_leaves)
         with self.lock:
             if reason:
                 self.invalid[reason] += 1
                 return False
-            led = self._ledger(group.actor_id)
-            led.received_total += 1
-            ticketed = self._uses_ticket(led, group)
+            ticketed = self.ledger.receive(group.actor_id, group.stats.get("pid"))
             keep, why = self.filter.check(self.version, group.min_version())
             if not keep:
-                led.dropped[why] += 1
+                self.ledger.drop(group.actor_id, why)
                 if ticketed:
                     self.admission.release(1, why)
             elif not ticketed:
@@ -293,13 +212,13 @@ class LearnerService:
         now = time.time() if now is None else now
         released = 0
         with self.lock:
-            for actor_id, led in self.actors.items():
-                if led.granted > led.used and now - led.last_seen > self.cfg.learner.actor_silent_s:
-                    n = self._release(led, "actor_silent")
-                    led.orphaned += n
-                    released += n
-                    log.warning("actor %d silent for %.0f s: released its %d tickets", actor_id,
-                                now - led.last_seen, n)
+            for actor_id, n, silent in self.ledger.expire_silent(
+                    now, self.cfg.learner.actor_silent_s):
+                if n > 0:
+                    self.admission.release(n, "actor_silent")
+                released += n
+                log.warning("actor %d silent for %.0f s: released its %d tickets", actor_id,
+                            silent, n)
         return released
 
     def _recv(self, timeout_s: float) -> P.TrajectoryGroup | None:
@@ -335,8 +254,7 @@ class LearnerService:
 
     def mark_trained(self, groups: list[P.TrajectoryGroup]) -> None:
         with self.lock:
-            for g in groups:
-                self._ledger(g.actor_id).trained += 1
+            self.ledger.mark_trained(g.actor_id for g in groups)
             self.version += 1
 
     def publish(self, version: int, tensors, bf16_names=()) -> None:
@@ -351,7 +269,7 @@ class LearnerService:
     def ledger_state(self) -> dict:
         """The per-actor ledger as JSON (checkpoints and RUN_DIR/state.json)."""
         with self.lock:
-            return {str(i): a.to_state() for i, a in self.actors.items()}
+            return self.ledger.state()
 
     def restore(self, version: int, ledger: dict, newer: dict | None = None) -> None:
         """Continue from a checkpoint at ``version`` with its ``ledger``. ``newer`` is the
@@ -361,44 +279,25 @@ class LearnerService:
         with self.lock:
             self.version = version
             self.gate_open = True  # a restart: the actors are running already
-            self.actors = {int(i): ActorLedger.from_state(d) for i, d in ledger.items()}
-            for i, d in (newer or {}).items():
-                old = self.actors.get(int(i), ActorLedger())
-                led = ActorLedger.from_state(d)
-                rolled_back = led.trained - old.trained
-                led.trained = old.trained
-                if rolled_back > 0:
-                    led.dropped["rolled_back"] += rolled_back
-                self.actors[int(i)] = led
+            self.ledger = Ledger.from_state(ledger, newer)
             # admission resumes with the trained groups counted as started
             self.admission.grant(version * self.cfg.learner.batch_groups, version, version)
 
     def data_positions(self) -> dict[str, int]:
         with self.lock:
-            return {str(i): _count(a.stats.get("data_pos"), 0) for i, a in self.actors.items()
-                    if "data_pos" in a.stats}
+            return self.ledger.data_positions()
 
     # ---------------------------------------------------------------- reporting
     def actors_alive(self, within_s: float | None = None) -> int:
         within_s = self.cfg.learner.actor_silent_s if within_s is None else within_s
-        now = time.time()
         with self.lock:
-            return sum(1 for a in self.actors.values()
-                       if not a.bye and now - a.last_seen < within_s)
+            return self.ledger.alive(time.time(), within_s)
 
     def snapshot(self) -> dict:
         """Counters for metrics.jsonl."""
-        now = time.time()
         with self.lock:
-            dropped = Counter()
-            for a in self.actors.values():
-                dropped.update(a.dropped)
-            stats = {f"actor{i}/{k}": v for i, a in self.actors.items() for k, v in a.stats.items()}
-            for i, a in self.actors.items():
-                stats |= {f"actor{i}/trained": a.trained, f"actor{i}/received": a.received_total,
-                          f"actor{i}/incarnations": len(a.sent_by_pid),
-                          f"actor{i}/silent_s": now - a.last_seen if a.last_seen else -1.0}
-            return {"dropped_stale": dropped.get("stale", 0), "dropped": dict(dropped),
+            dropped, stats = self.ledger.metrics(time.time())
+            return {"dropped_stale": dropped.get("stale", 0), "dropped": dropped,
                     "rejected": dict(self.receiver.rejected) | {
                         f"control/{k}": v for k, v in self.control.rejected.items()} | {
                         f"group/{k}": v for k, v in self.invalid.items()},
@@ -409,10 +308,8 @@ class LearnerService:
                     **stats}
 
     def _byes_pending_from_live_actors(self) -> bool:
-        now = time.time()
         with self.lock:
-            return any(not a.bye and now - a.last_seen < self.cfg.learner.actor_silent_s
-                       for a in self.actors.values())
+            return self.ledger.alive(time.time(), self.cfg.learner.actor_silent_s) > 0
 
     def shutdown(self, wait_s: float) -> dict:
         """Tell actors to stop, wait for their Bye, drain what they sent, close the ledger.
@@ -435,22 +332,15 @@ class LearnerService:
                     if reason:
                         self.invalid[reason] += 1
                         continue
-                    led = self._ledger(group.actor_id)
-                    led.received_total += 1
-                    self._uses_ticket(led, group)
-                    led.dropped["shutdown"] += 1
+                    self.ledger.receive(group.actor_id, group.stats.get("pid"))
+                    self.ledger.drop(group.actor_id, "shutdown")
                 continue
             with self.lock:
-                byes = all(a.bye for a in self.actors.values())
-                done = byes and all(a.lost() <= 0 for a in self.actors.values())
+                byes, done = self.ledger.drained()
             if done or (byes and time.monotonic() - quiet_since > _SHUTDOWN_QUIET_S):
                 break
         with self.lock:
-            ledger = {i: {"sent": a.sent() if a.bye else -1, "received": a.received_total,
-                          "trained": a.trained, "dropped": dict(a.dropped),
-                          "lost": max(a.lost(), 0) if a.bye else -1,
-                          "incarnations": len(a.sent_by_pid)}
-                      for i, a in self.actors.items()}
+            ledger = self.ledger.summary()
         if self.fast_weights is not None:
             self.fast_weights.close()
         self.control.stop()

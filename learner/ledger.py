@@ -1,0 +1,257 @@
+"""The learner's per-actor ledger of trajectory groups (pure): what each actor says it
+sent, what arrived, and what became of it.
+
+Every group an actor sends ends up in exactly one column: trained, dropped with a
+reason ("stale", "rolled_back", "shutdown", ...), or lost (sent but never received).
+Actors report ``groups_sent`` per process (incarnation, keyed by pid) in heartbeats and
+in their Bye; the ledger keeps one count per incarnation so that a restarted actor's
+counter starting again at 0 does not hide what its predecessor sent. For a dead
+incarnation whose last heartbeat predates its last groups, what arrived is the better
+lower bound, hence ``max(said, received)`` per pid.
+
+The ledger also tracks the tickets (admission grants) of each actor's current
+incarnation, because whether an arriving group still holds capacity depends on the
+actor's history: a group of an earlier incarnation, or one whose ticket was released
+while the actor was silent ("orphaned"), must not release capacity a second time. The
+caller (learner/service.py) owns the admission controller and the lock; the methods
+here only count, and return what the caller has to release.
+
+State for checkpoints and ``RUN_DIR/state.json`` is JSON: ``{actor_id: {"pid",
+"received_total", "trained", "dropped", "sent_by_pid", "received_by_pid",
+"data_pos"}}`` with string keys (the layout learner/service.py wrote before this module
+existed, unchanged). Tickets are not saved: they belong to the learner process that
+granted them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+def peer_count(value, default: int) -> int:
+    """A non-negative integer from a peer's stats (floats on the wire), else ``default``:
+    a NaN or absurd number from a peer must not raise in the learner."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) \
+            and math.isfinite(value) and 0 <= value < 2**62:
+        return int(value)
+    return default
+
+
+@dataclass
+class ActorLedger:
+    pid: int = 0  # current incarnation (from Hello)
+    hello: bool = False  # said Hello to this learner process
+    granted: int = 0  # tickets granted to the current incarnation by this learner
+    used: int = 0  # of those, groups received
+    orphaned: int = 0  # groups in flight whose tickets were released while it was silent
+    bye: bool = False
+    received_total: int = 0
+    trained: int = 0
+    dropped: Counter = field(default_factory=Counter)
+    sent_by_pid: dict = field(default_factory=dict)  # incarnation -> groups it said it sent
+    received_by_pid: dict = field(default_factory=dict)
+    version: int = -1
+    last_seen: float = 0.0
+    stats: dict = field(default_factory=dict)
+
+    def sent(self) -> int:
+        """Groups sent over all incarnations; a dead one counts at least what arrived."""
+        pids = set(self.sent_by_pid) | set(self.received_by_pid)
+        return sum(max(self.sent_by_pid.get(p, 0), self.received_by_pid.get(p, 0))
+                   for p in pids)
+
+    def lost(self) -> int:
+        return self.sent() - self.received_total
+
+    def void_tickets(self) -> int:
+        """Forget the current incarnation's outstanding tickets; how many there were
+        (the caller releases them from admission)."""
+        outstanding = self.granted - self.used
+        self.granted = self.used = 0
+        return max(outstanding, 0)
+
+    def take_ticket(self, pid: int) -> bool:
+        """Whether a group just received from incarnation ``pid`` used a ticket still
+        counted by admission (see the module docstring)."""
+        if pid != self.pid:  # an earlier incarnation: released at its successor's Hello
+            return False
+        if self.orphaned > 0:
+            self.orphaned -= 1
+            return False
+        if self.used < self.granted:
+            self.used += 1
+            return True
+        return False
+
+    def to_state(self) -> dict:
+        return {"pid": self.pid, "received_total": self.received_total,
+                "trained": self.trained, "dropped": dict(self.dropped),
+                "sent_by_pid": {str(k): v for k, v in self.sent_by_pid.items()},
+                "received_by_pid": {str(k): v for k, v in self.received_by_pid.items()},
+                "data_pos": self.stats.get("data_pos")}
+
+    @classmethod
+    def from_state(cls, d: dict) -> ActorLedger:
+        if not isinstance(d, dict):
+            raise ValueError(f"expected an object, got {type(d).__name__}")
+        led = cls(pid=int(d.get("pid", 0)), received_total=int(d.get("received_total", 0)),
+                  trained=int(d.get("trained", 0)),
+                  dropped=Counter({str(k): int(v) for k, v in d.get("dropped", {}).items()}))
+        led.sent_by_pid = {int(k): int(v) for k, v in d.get("sent_by_pid", {}).items()}
+        led.received_by_pid = {int(k): int(v) for k, v in d.get("received_by_pid", {}).items()}
+        if d.get("data_pos") is not None:
+            led.stats["data_pos"] = d["data_pos"]
+        return led
+
+
+class Ledger:
+    """Every actor's ``ActorLedger``, and the events that change them. Not thread-safe:
+    the learner service calls it under its lock."""
+
+    def __init__(self, actors: dict[int, ActorLedger] | None = None):
+        self.actors: dict[int, ActorLedger] = dict(actors or {})
+
+    def actor(self, actor_id: int) -> ActorLedger:
+        return self.actors.setdefault(actor_id, ActorLedger())
+
+    # ------------------------------------------------------------- messages from actors
+    def hello(self, actor_id: int, pid: int, version: int) -> tuple[str, int]:
+        """An actor said Hello: ("restart", n) for a new pid, ("reconnect", n) for the same
+        process saying it again, ("new", 0) otherwise; ``n`` outstanding tickets are void
+        and must be released. A reconnecting process may still deliver groups for those
+        tickets (a retried request may have been granted twice): they arrive as orphans."""
+        led = self.actor(actor_id)
+        kind, voided = "new", 0
+        if led.pid and led.pid != pid:
+            kind, voided = "restart", led.void_tickets()
+        elif led.hello:
+            kind, voided = "reconnect", led.void_tickets()
+            led.orphaned += voided
+        led.pid, led.version, led.hello, led.bye = pid, version, True, False
+        led.sent_by_pid.setdefault(pid, 0)
+        return kind, voided
+
+    def heartbeat(self, actor_id: int, version: int, stats: dict) -> bool:
+        """Record a heartbeat's stats; whether the actor said Hello to this learner."""
+        led = self.actor(actor_id)
+        led.version, led.stats = version, dict(stats)
+        pid = peer_count(stats.get("pid"), led.pid)
+        if pid and "groups_sent" in stats:
+            led.sent_by_pid[pid] = peer_count(stats["groups_sent"], 0)
+        return led.hello
+
+    def bye(self, actor_id: int, groups_sent: int, stats: dict) -> None:
+        led = self.actor(actor_id)
+        led.bye, led.stats = True, dict(stats)
+        # bounded like a heartbeat's count: a peer's absurd total is not a real loss
+        led.sent_by_pid[peer_count(stats.get("pid"), led.pid)] = peer_count(groups_sent, 0)
+
+    # ------------------------------------------------------------- groups
+    def receive(self, actor_id: int, pid_stat) -> bool:
+        """A checked group arrived (``pid_stat``: its ``stats["pid"]``); whether it used a
+        ticket still counted by admission. The caller then records it as trained (after
+        the step) or dropped."""
+        led = self.actor(actor_id)
+        led.received_total += 1
+        pid = peer_count(pid_stat, led.pid)
+        led.received_by_pid[pid] = led.received_by_pid.get(pid, 0) + 1
+        return led.take_ticket(pid)
+
+    def drop(self, actor_id: int, reason: str) -> None:
+        if not reason:
+            raise ValueError(f"drop: actor {actor_id}: a reason is required")
+        self.actor(actor_id).dropped[reason] += 1
+
+    def mark_trained(self, actor_ids) -> None:
+        for actor_id in actor_ids:
+            self.actor(actor_id).trained += 1
+
+    def expire_silent(self, now: float, silent_s: float) -> list[tuple[int, int, float]]:
+        """Void the tickets of actors silent for more than ``silent_s``: (actor, tickets,
+        seconds silent) for each; the caller releases them. Their groups in flight then
+        arrive as orphans."""
+        out = []
+        for actor_id, led in self.actors.items():
+            if led.granted > led.used and now - led.last_seen > silent_s:
+                n = led.void_tickets()
+                led.orphaned += n
+                out.append((actor_id, n, now - led.last_seen))
+        return out
+
+    # ------------------------------------------------------------- checkpoints
+    def state(self) -> dict:
+        """JSON for checkpoints and RUN_DIR/state.json (layout in the module docstring)."""
+        return {str(i): a.to_state() for i, a in self.actors.items()}
+
+    @classmethod
+    def from_state(cls, ledger: dict, newer: dict | None = None) -> Ledger:
+        """The ledger of a checkpoint. ``newer`` is the ledger of a run state written after
+        it by the learner that died: groups it received stay received, and those it
+        trained after the checkpoint count as dropped "rolled_back" (that training was
+        undone by resuming from the checkpoint)."""
+        out = cls(_parse(ledger, "checkpoint ledger"))
+        for i, led in _parse(newer or {}, "run state ledger").items():
+            old = out.actors.get(i, ActorLedger())
+            rolled_back = led.trained - old.trained
+            led.trained = old.trained
+            if rolled_back > 0:
+                led.dropped["rolled_back"] += rolled_back
+            out.actors[i] = led
+        return out
+
+    def data_positions(self) -> dict[str, int]:
+        return {str(i): peer_count(a.stats.get("data_pos"), 0) for i, a in self.actors.items()
+                if "data_pos" in a.stats}
+
+    # ------------------------------------------------------------- reporting
+    def connected(self) -> int:
+        return sum(1 for a in self.actors.values() if a.hello)
+
+    def alive(self, now: float, within_s: float) -> int:
+        """Actors heard from within ``within_s`` that have not said Bye."""
+        return sum(1 for a in self.actors.values()
+                   if not a.bye and now - a.last_seen < within_s)
+
+    def drained(self) -> tuple[bool, bool]:
+        """(every actor said Bye, and every group they said they sent arrived)."""
+        byes = all(a.bye for a in self.actors.values())
+        return byes, byes and all(a.lost() <= 0 for a in self.actors.values())
+
+    def summary(self) -> dict:
+        """Per actor: sent, received, trained, dropped by reason, lost, incarnations.
+        ``sent`` and ``lost`` are -1 for an actor that never said Bye (still open)."""
+        return {i: {"sent": a.sent() if a.bye else -1, "received": a.received_total,
+                    "trained": a.trained, "dropped": dict(a.dropped),
+                    "lost": max(a.lost(), 0) if a.bye else -1,
+                    "incarnations": len(a.sent_by_pid)}
+                for i, a in self.actors.items()}
+
+    def metrics(self, now: float) -> tuple[dict, dict]:
+        """(groups dropped by reason over all actors, per-actor ``actor<i>/<key>``
+        values: the actor's last reported stats plus trained, received, incarnations
+        and seconds since it was last heard from, -1 if never)."""
+        dropped: Counter = Counter()
+        for a in self.actors.values():
+            dropped.update(a.dropped)
+        per_actor = {f"actor{i}/{k}": v for i, a in self.actors.items()
+                     for k, v in a.stats.items()}
+        for i, a in self.actors.items():
+            per_actor |= {f"actor{i}/trained": a.trained, f"actor{i}/received": a.received_total,
+                          f"actor{i}/incarnations": len(a.sent_by_pid),
+                          f"actor{i}/silent_s": now - a.last_seen if a.last_seen else -1.0}
+        return dict(dropped), per_actor
+
+
+def _parse(ledger: dict, what: str) -> dict[int, ActorLedger]:
+    """{actor id: ActorLedger} from saved state; bad input names the entry."""
+    if not isinstance(ledger, dict):
+        raise ValueError(f"{what}: expected an object of actors, got {type(ledger).__name__}")
+    out = {}
+    for key, entry in ledger.items():
+        try:
+            out[int(key)] = ActorLedger.from_state(entry)
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"{what}: actor entry {key!r} is malformed: {exc}") from exc
+    return out
