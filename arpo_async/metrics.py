@@ -27,6 +27,8 @@ class MetricsWriter:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a", buffering=1)
+        if self._file.tell() and not self.path.read_bytes().endswith(b"\n"):
+            self._file.write("\n")  # a killed writer's half line stays alone (it is skipped)
         self._tb = None
         if tensorboard:
             try:

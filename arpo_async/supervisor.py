@@ -267,7 +267,9 @@ def launch(args) -> int:
         for r in reversed(roles):  # actors first, learner last
             r.stop()
     summary = _summary(cfg, roles, status, reason, time.time() - t0)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    from learner.checkpoint import atomic_write_json
+
+    atomic_write_json(run_dir / "summary.json", summary)
     progress.final(summary)
     if status != "ok":
         print(f"run failed: {reason}", file=sys.stderr)

@@ -78,7 +78,8 @@ def check_group(group: P.TrajectoryGroup, vocab_size: int | None, max_tokens: in
             return "loss_mask"
         model = leaf.loss_mask > 0
         lp = leaf.logprobs[model]
-        if not np.all(np.isfinite(lp)) or (lp.size and lp.max() > 1e-3):
+        # every log-prob finite, tool tokens' too: a NaN there still poisons the loss sums
+        if not np.all(np.isfinite(leaf.logprobs)) or (lp.size and lp.max() > 1e-3):
             return "logprobs"
         if leaf.versions[model].size and leaf.versions[model].min() < 0:
             return "versions"
@@ -139,6 +140,10 @@ class LearnerService:
     # ---------------------------------------------------------------- control thread
     def _handle(self, msg, _peer: bytes):
         with self.lock:
+            if getattr(msg, "actor_id", 0) < 0 or getattr(msg, "n", 0) < 0:
+                self.events["bad_request"] += 1  # counted and refused, never a traceback
+                return P.Ack(ok=False, reason="negative actor_id or n",
+                             learner_version=self.published)
             if isinstance(msg, P.TicketRequest):
                 return self._ticket(msg)
             if isinstance(msg, P.ConfigRequest):  # before the ledger: not an actor yet

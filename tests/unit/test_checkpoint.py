@@ -143,6 +143,9 @@ def _group(**leaf_overrides) -> TrajectoryGroup:
     ({"tokens": np.array([1, 2, 3, -4, 5, 6], np.int32)}, "token_id"),
     ({"logprobs": np.array([-1, np.nan, -1, -1, -1, -1], np.float32)}, "logprobs"),
     ({"logprobs": np.full(6, 3.0, np.float32)}, "logprobs"),
+    # a NaN on a tool token (mask 0) would still turn the loss sums into NaN
+    ({"logprobs": np.array([-1, np.nan, -1, -1, -1, -1], np.float32),
+      "loss_mask": np.array([1, 0, 1, 1, 1, 1], np.uint8)}, "logprobs"),
     ({"loss_mask": np.full(6, 2, np.uint8)}, "loss_mask"),
     ({"versions": np.full(6, -1, np.int32)}, "versions"),
     ({"reward": float("inf")}, "reward"),
