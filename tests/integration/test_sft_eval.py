@@ -239,8 +239,8 @@ async def test_endpoint_engine_matches_the_model_it_serves(sft_run, tokenizer):
         assert served.tokens == direct.tokens and served.finish_reason == direct.finish_reason
         assert served.logprobs == pytest.approx(direct.logprobs, abs=1e-6)
         assert len(served.top_logprobs) == len(direct.top_logprobs)
-            for got, want in zip(served.top_logprobs, direct.top_logprobs):
-                assert got == pytest.approx(want, abs=1e-6)
+        for got, want in zip(served.top_logprobs, direct.top_logprobs):
+            assert got == pytest.approx(want, abs=1e-6)
         assert endpoint.exact_tokens
         seq = await endpoint.sequence_logprobs(list(ids), direct.tokens)
         assert seq == pytest.approx(await hf.sequence_logprobs(list(ids), direct.tokens), abs=1e-5)
