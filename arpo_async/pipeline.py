@@ -50,10 +50,14 @@ class StageLog:
         return self.state["stages"].get(name)
 
     def record(self, name: str, seconds: float, result: dict) -> None:
-        from learner.checkpoint import atomic_write_json
-
         self.state["stages"][name] = {"seconds": round(seconds, 1), **result}
-        atomic_write_json(self.path, self.state)
+        self.save()
+
+    def save(self) -> None:
+        """Rewrite the file atomically, stages in the order they ran."""
+        from learner.checkpoint import atomic_write_bytes
+
+        atomic_write_bytes(self.path, json.dumps(self.state, indent=1).encode())
 
     def run(self, name: str, fn, *args: Any) -> dict:
         """``fn(*args)`` unless ``name`` finished before; its result (a dict)."""
@@ -229,7 +233,7 @@ def run(args) -> int:
 def write_summary(run_dir: Path, stages: StageLog, before: dict, rl: dict, after: dict) -> dict:
     """RUN_DIR/summary.json: the RL run's own summary plus the pipeline's figures."""
     from arpo_async.plots import write_plots
-    from learner.checkpoint import atomic_write_json
+    from learner.checkpoint import atomic_write_bytes
 
     path = run_dir / "summary.json"
     rl_summary = json.loads(path.read_text()) if path.exists() else {}
@@ -250,8 +254,8 @@ def write_summary(run_dir: Path, stages: StageLog, before: dict, rl: dict, after
     }
     summary["status"] = "ok"
     summary["plots"] = [str(p) for p in write_plots(run_dir)]
-    atomic_write_json(path, summary)
-    atomic_write_json(stages.path, stages.state)
+    atomic_write_bytes(path, json.dumps(summary, indent=1).encode())
+    stages.save()
     return summary
 
 

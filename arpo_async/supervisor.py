@@ -267,9 +267,9 @@ def launch(args) -> int:
         for r in reversed(roles):  # actors first, learner last
             r.stop()
     summary = _summary(cfg, roles, status, reason, time.time() - t0)
-    from learner.checkpoint import atomic_write_json
+    from learner.checkpoint import atomic_write_bytes
 
-    atomic_write_json(run_dir / "summary.json", summary)
+    atomic_write_bytes(run_dir / "summary.json", json.dumps(summary, indent=1).encode())
     progress.final(summary)
     if status != "ok":
         print(f"run failed: {reason}", file=sys.stderr)
