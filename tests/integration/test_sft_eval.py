@@ -23,7 +23,7 @@ from arpo_async.sft import encode_trace, load_traces, masked_lm_loss, mean_loss,
 
 pytestmark = pytest.mark.integration
 
-SPEC = syn.SuiteSpec(seed=1, entities=600, sft=150, rl=6, heldout=12)
+SPEC = syn.SuiteSpec(seed=1, entities=600, sft=300, rl=6, heldout=12)
 EVAL_OVERRIDES = {"sampling": {"max_new_tokens": 48, "max_response_tokens": 200},
                   "tools": {"search_topk": SPEC.topk, "search_snippet_chars": SPEC.snippet_chars},
                   "actors": {"kv_cache_gib": 0.25}}
@@ -55,7 +55,7 @@ def tokenizer(base_model):
 @pytest.fixture(scope="module")
 def sft_run(base_model, suite, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("sft") / "ckpt"
-    return run_sft(base_model, suite / "sft.jsonl", out, steps=150, lr=3e-3, batch_size=16,
+    return run_sft(base_model, suite / "sft.jsonl", out, steps=250, lr=3e-3, batch_size=16,
                    threads=2, log=lambda line: None)
 
 
@@ -117,7 +117,7 @@ def test_short_sft_lowers_model_token_loss_and_saves_a_checkpoint(sft_run, base_
     after = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     loss_before = mean_loss(before, data, tokenizer.pad_token_id)
     loss_after = mean_loss(after, data, tokenizer.pad_token_id)
-    assert sft_run["steps"] == 150
+    assert sft_run["steps"] == 250
     assert loss_after < 0.5 * loss_before, (loss_before, loss_after)
     assert sft_run["loss_last"] < sft_run["loss_first"]
     assert AutoTokenizer.from_pretrained(out).encode("<python>") == tokenizer.encode("<python>")
