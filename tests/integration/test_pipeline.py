@@ -54,7 +54,7 @@ def test_default_job_runs_every_stage(finished_run):
     items = [json.loads(x) for x in (run_dir / "eval" / "rl" / "items.jsonl").open()]
     assert len(items) == HELDOUT and {i["kind"] for i in items} == {"arith", "lookup", "combo"}
     assert summary["tool_calls_per_question"] == pytest.approx(
-        sum(sum(i["tool_calls"]) for i in items) / HELDOUT)
+        sum(sum(i["tool_calls"]) for i in items) / HELDOUT, abs=1e-3)  # rounded to 3 places
     for name in ("by_wall_time.png", "by_step.png"):
         assert (run_dir / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "held-out accuracy" in out and "after RL" in out
