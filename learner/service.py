@@ -191,7 +191,14 @@ class LearnerService:
             if connected < self.expected_actors and time.monotonic() < self.gate_deadline:
                 return P.TicketGrant(0, self.published, reason="waiting_for_actors")
             self.gate_open = True
-        granted, reason = self.admission.grant(msg.n, self.version, msg.version)
+        # Fair share: no actor holds more than its part of a staleness window's groups, so
+        # a fast actor that always asks first cannot starve the others in short runs.
+        window = (self.cfg.learner.max_staleness + 1) * self.cfg.learner.batch_groups
+        share = max(1, -(-window // max(self.ledger.connected(), 1)))
+        want = max(0, min(msg.n, share - (led.granted - led.used)))
+        if want == 0:
+            return P.TicketGrant(0, self.published, reason="fair_share")
+        granted, reason = self.admission.grant(want, self.version, msg.version)
         led.granted += granted
         return P.TicketGrant(granted, self.published, reason=reason)
 
