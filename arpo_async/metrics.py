@@ -22,12 +22,18 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, float]:
     return out
 
 
+def _ends_with_newline(path: Path) -> bool:
+    with path.open("rb") as f:  # only the last byte: the file grows all run long
+        f.seek(-1, 2)
+        return f.read(1) == b"\n"
+
+
 class MetricsWriter:
     def __init__(self, run_dir: str | Path, tensorboard: bool = True):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a", buffering=1)
-        if self._file.tell() and not self.path.read_bytes().endswith(b"\n"):
+        if self._file.tell() and not _ends_with_newline(self.path):
             self._file.write("\n")  # a killed writer's half line stays alone (it is skipped)
         self._tb = None
         if tensorboard:
