@@ -126,6 +126,9 @@ class Ledger:
         kind, voided = "new", 0
         if led.pid and led.pid != pid:
             kind, voided = "restart", led.void_tickets()
+            # orphans belong to the dead incarnation; its groups are told apart by pid,
+            # so the new one's first groups must not be taken for them
+            led.orphaned = 0
         elif led.hello:
             kind, voided = "reconnect", led.void_tickets()
             led.orphaned += voided

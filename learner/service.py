@@ -193,8 +193,10 @@ class LearnerService:
             self.gate_open = True
         # Fair share: no actor holds more than its part of a staleness window's groups, so
         # a fast actor that always asks first cannot starve the others in short runs.
+        # Shared among the actors heard from lately: a stopped one does not shrink it.
         window = (self.cfg.learner.max_staleness + 1) * self.cfg.learner.batch_groups
-        share = max(1, -(-window // max(self.ledger.connected(), 1)))
+        alive = self.ledger.alive(time.time(), self.cfg.learner.actor_silent_s)
+        share = max(1, -(-window // max(alive, 1)))
         want = max(0, min(msg.n, share - (led.granted - led.used)))
         if want == 0:
             return P.TicketGrant(0, self.published, reason="fair_share")

@@ -64,6 +64,21 @@ def test_restart_and_reconnect_void_tickets_once():
     assert led.summary()[0]["incarnations"] == 2
 
 
+def test_an_actor_silent_then_restarted_starts_with_no_orphans():
+    """Its tickets were released while it was silent (orphans of the dead process): the new
+    process's groups use the new process's tickets, else its outstanding count never
+    falls and fair-share admission refuses it for good (seen in CI)."""
+    led = Ledger()
+    led.hello(0, 11, 0)
+    led.actor(0).granted, led.actor(0).last_seen = 2, 0.0
+    assert led.expire_silent(now=10.0, silent_s=4.0) == [(0, 2, 10.0)]
+    assert led.hello(0, 12, 0) == ("restart", 0)  # already released while silent
+    led.actor(0).granted += 2
+    assert [led.receive(0, 12) for _ in range(2)] == [True, True]
+    assert led.actor(0).granted - led.actor(0).used == 0
+    assert not led.receive(0, 11)  # a late group of the dead process holds no ticket
+
+
 def test_numbers_from_peers_never_raise_and_reasons_are_required():
     assert peer_count(12.0, 0) == 12 and peer_count(3, 0) == 3
     for bad in (float("nan"), float("inf"), -1.0, 1e30, True, "7", None, [1]):
@@ -399,6 +414,11 @@ def test_random_events_every_group_sent_is_trained_dropped_or_lost(n_actors, fif
         # design: only the count matters, see learner/ledger.py).
         if fifo and not sim.learner_restarts:
             assert sim.admission.started == sim.expected_started(), (name, i, r)
+            # and each actor's outstanding tickets (what fair-share admission counts)
+            for j, a in enumerate(sim.actors):
+                led = sim.ledger.actor(j)
+                live = sum(t == [j, a.pid, "live", False] for t in sim.tickets.values())
+                assert led.granted - led.used == live, (name, i, r, j)
     summary = sim.finish()
     assert sorted(summary) == list(range(n_actors))
     for i, led in summary.items():
