@@ -292,6 +292,8 @@ class PipelineConfig(_Section):
     suite_sft: int = Field(3000, ge=1, description="SFT traces")
     suite_rl: int = Field(2000, ge=1, description="RL prompts")
     suite_heldout: int = Field(300, ge=1, description="held-out prompts")
+    suite_direct: float = Field(
+        0.0, ge=0, le=1, description="share of SFT traces answering from memory, no tool")
     sft: bool = Field(True, description="cold-start SFT on the suite's traces before RL")
     sft_time_s: float = Field(150.0, ge=0, description="SFT training seconds (0: use sft_steps)")
     sft_steps: int = Field(0, ge=0, description="SFT optimizer steps (0: use sft_time_s)")

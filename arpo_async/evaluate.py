@@ -87,6 +87,7 @@ def _summarise(items: list[dict], k: int) -> dict:
                 "format_ok": round(float((rewards > -1).mean()), 4),
                 "reward_mean": round(float(rewards.mean()), 4),
                 "tool_calls_per_sample": round(float(calls.mean()), 3),
+                "no_tool_share": round(float((calls == 0).mean()), 4),
                 "tool_calls_per_question": round(float(calls.sum(axis=1).mean()), 3)}
 
     out = block(items) if items else {"n": 0}

@@ -85,7 +85,7 @@ def build_data(cfg: Config) -> dict:
                           f"({out}/rl.jsonl)")
     spec = SuiteSpec(seed=cfg.task.seed, entities=p.suite_entities, sft=p.suite_sft,
                      rl=p.suite_rl, heldout=p.suite_heldout, topk=cfg.tools.search_topk,
-                     snippet_chars=cfg.tools.search_snippet_chars)
+                     snippet_chars=cfg.tools.search_snippet_chars, direct=p.suite_direct)
     meta_path = out / "meta.json"
     if meta_path.exists():
         meta = json.loads(meta_path.read_text())
@@ -245,6 +245,9 @@ def write_summary(run_dir: Path, stages: StageLog, before: dict, rl: dict, after
         f"pass@{after['k']}_after_rl": after.get(f"pass@{after['k']}"),
         "tool_calls_per_question": after["tool_calls_per_sample"],
         "tool_calls_per_question_after_sft": before["tool_calls_per_sample"],
+        # samples that answered without calling a tool (guesses on this suite)
+        "no_tool_share_after_sft": before.get("no_tool_share"),
+        "no_tool_share_after_rl": after.get("no_tool_share"),
         "per_kind": {k: {"after_sft": before["per_kind"][k]["pass@1"],
                          "after_rl": v["pass@1"]} for k, v in after["per_kind"].items()},
         "rl": {k: v for k, v in rl.items() if k != "seconds"},
@@ -268,7 +271,8 @@ def print_summary(s: dict) -> None:
         "  by kind: " + ", ".join(f"{k} {v['after_sft']:.3f}->{v['after_rl']:.3f}"
                                   for k, v in s["per_kind"].items()),
         f"tool calls per question: {s['tool_calls_per_question_after_sft']:.2f} -> "
-        f"{s['tool_calls_per_question']:.2f}",
+        f"{s['tool_calls_per_question']:.2f}; answered without a tool: "
+        f"{s['no_tool_share_after_sft']} -> {s['no_tool_share_after_rl']}",
         f"RL: {rl.get('steps')} learner steps in {rl.get('rl_wall_s')} s, "
         f"{rl.get('model_tokens_per_s')} model tokens/s, staleness mean "
         f"{rl.get('staleness_mean')} max {rl.get('staleness_max')}, tool cache hit rate "

@@ -21,7 +21,7 @@ server's reply. A trace is stored as segments (model text / tool text) so SFT ca
 the tool segments.
 
 CLI: ``python -m arpo_async.synthetic OUT_DIR [--seed 0 --entities 600 --sft 3000
---rl 2000 --heldout 300 --topk 1 --snippet-chars 160]`` writes corpus.jsonl, sft.jsonl,
+--rl 2000 --heldout 300 --topk 1 --snippet-chars 160 --direct 0]`` writes corpus.jsonl, sft.jsonl,
 rl.jsonl, heldout.jsonl and meta.json (the tool settings evaluation and RL must use).
 """
 
@@ -74,6 +74,7 @@ _INTRO = {"city": "{} is a city.", "person": "{} is a writer."}
 # practise, from which the query is then copied at a fixed distance.
 THINK = {"arith": "Compute it with python.", "lookup": "Search for {}.",
          "combo": "Search both facts, then compute."}
+THINK_DIRECT = "Answer from memory."
 _ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr",
            "kr", "tr", "th", "sh", "qu", "h"]
 _VOWELS = ["a", "e", "i", "o", "u"]
@@ -88,6 +89,10 @@ class SuiteSpec:
     heldout: int = 300  # held-out evaluation prompts
     topk: int = 1  # search results shown per query (tools.search_topk)
     snippet_chars: int = 160  # characters kept per result (tools.search_snippet_chars)
+    # Share of SFT traces whose demonstrator answers from memory, without a tool (right on
+    # its own entities, a guess on anyone else's): an imperfect cold start that RL has to
+    # correct by learning when to look things up.
+    direct: float = 0.0
 
     def count(self, split: str) -> int:
         return {"sft": self.sft, "rl": self.rl, "heldout": self.heldout}[split]
@@ -303,9 +308,16 @@ class RealTools:
         return result.text
 
 
-async def build_trace(task: Task, tools: RealTools) -> dict:
+async def build_trace(task: Task, tools: RealTools, direct: bool = False) -> dict:
     """One SFT trace of ``task`` with real tool outputs; checks the outputs carry the
-    facts the answer needs, so a trace never teaches a wrong answer."""
+    facts the answer needs, so a trace never teaches a wrong answer. ``direct``: the
+    demonstrator answers from memory instead (``SuiteSpec.direct``)."""
+    if direct:
+        segments = [{"text": f"<think>{THINK_DIRECT}</think>\n<answer>\\boxed{{{task.answer}}}"
+                             "</answer>", "role": "model"}]
+        return {"id": task.id, "kind": task.kind, "question": task.question,
+                "answers": [task.answer], "system": SYSTEM_PROMPT, "segments": segments,
+                "response": segments[0]["text"], "direct": True}
     thought = THINK[task.kind].format(task.question.removeprefix("What is ").rstrip("?"))
     segments = [{"text": f"<think>{thought}</think>\n", "role": "model"}]
     output, found = "", iter(task.found)
@@ -327,16 +339,19 @@ async def build_trace(task: Task, tools: RealTools) -> dict:
             "response": "".join(s["text"] for s in segments)}
 
 
-async def build_traces(tasks: list[Task], tools: RealTools, concurrency: int = 8) -> list[dict]:
+async def build_traces(tasks: list[Task], tools: RealTools, concurrency: int = 8,
+                       direct: list[bool] | None = None) -> list[dict]:
     slots = asyncio.Semaphore(concurrency)
 
-    async def one(task: Task) -> dict:
+    async def one(task: Task, from_memory: bool) -> dict:
         async with slots:
-            return await build_trace(task, tools)
+            return await build_trace(task, tools, from_memory)
 
     # Let every call finish before raising: cancelling sandboxed runs mid-flight is
     # avoided (it hung asyncio.run's clean-up when a trace check failed).
-    results = await asyncio.gather(*(one(t) for t in tasks), return_exceptions=True)
+    direct = [False] * len(tasks) if direct is None else direct
+    results = await asyncio.gather(*(one(t, d) for t, d in zip(tasks, direct, strict=True)),
+                                   return_exceptions=True)
     for result in results:
         if isinstance(result, BaseException):
             raise result
@@ -369,11 +384,14 @@ def write_suite(out_dir: str | Path, spec: SuiteSpec = SuiteSpec(), concurrency:
         _write_jsonl(out / f"{split}.jsonl", [t.row() for t in tasks[split]])
     t1 = time.perf_counter()
     tools = RealTools(docs, spec.topk, spec.snippet_chars, hide=[out])
-    traces = asyncio.run(build_traces(tasks["sft"], tools, concurrency))
+    # which traces answer from memory: their own generator, so the tasks do not change
+    direct = np.random.default_rng([spec.seed, 9]).random(len(tasks["sft"])) < spec.direct
+    traces = asyncio.run(build_traces(tasks["sft"], tools, concurrency, direct.tolist()))
     _write_jsonl(out / "sft.jsonl", traces)
     meta = {"spec": asdict(spec), "system_prompt": SYSTEM_PROMPT,
             "tools": {"search_topk": spec.topk, "search_snippet_chars": spec.snippet_chars},
-            "counts": {"corpus": len(docs), **{s: len(t) for s, t in tasks.items()}},
+            "counts": {"corpus": len(docs), **{s: len(t) for s, t in tasks.items()},
+               "sft_direct": int(direct.sum())},
             "timings_s": {"tasks": round(t1 - t0, 2), "traces": round(time.perf_counter() - t1, 2)}}
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     return meta
@@ -398,6 +416,8 @@ def main(argv: list[str] | None = None) -> None:
     d = SuiteSpec()
     for name in ("seed", "entities", "sft", "rl", "heldout", "topk", "snippet_chars"):
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
+    ap.add_argument("--direct", type=float, default=d.direct,
+                    help="share of SFT traces answering from memory, without a tool")
     ap.add_argument("--concurrency", type=int, default=8, help="sandboxed Python runs at once")
     args = ap.parse_args(argv)
     spec = SuiteSpec(**{k: getattr(args, k) for k in asdict(d)})

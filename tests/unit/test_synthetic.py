@@ -199,3 +199,18 @@ def test_every_tool_output_equals_the_live_tools(suite):
         return checked
 
     assert asyncio.run(check()) == sum(len(t["segments"]) // 2 for t in traces)
+
+
+def test_direct_traces_answer_from_memory_without_a_tool():
+    """``SuiteSpec.direct``: the demonstrator skips the tools; such a trace is well formed
+    and right (on its own entity), with no tool segment and so no two-tool bonus."""
+    from toolenv.data import Example
+    from toolenv.rewards import score_response
+
+    for task in syn.make_tasks(SMALL, "sft", 3):  # one of each kind
+        t = asyncio.run(syn.build_trace(task, tools=None, direct=True))
+        assert [s["role"] for s in t["segments"]] == ["model"] and t["direct"]
+        assert t["response"].startswith(f"<think>{syn.THINK_DIRECT}</think>")
+        assert validate_format(t["response"]) == (True, "ok"), t["id"]
+        score = score_response(t["response"], Example(t["id"], t["question"], t["answers"], "math"))
+        assert score.reward == pytest.approx(1.0), (t["id"], score)
