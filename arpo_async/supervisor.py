@@ -230,6 +230,14 @@ def _print_remote(specs: list[RoleSpec]) -> None:
         print(f"  {s.name} on {s.host} ({s.devices}): {s.command()}", flush=True)
 
 
+class Terminated(Exception):
+    """The launcher got SIGTERM or SIGHUP."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated(signal.Signals(signum).name)
+
+
 def launch(args) -> int:
     cfg = resolve(args)
     run_dir = Path(cfg.run.dir)
@@ -258,14 +266,24 @@ def launch(args) -> int:
             events.log("start", r.name, pid=r.proc.pid)
     _write_processes(run_dir, roles)
     status, reason = "ok", ""
+    # The roles run in their own sessions (a terminal's Ctrl-C reaches only the launcher):
+    # SIGTERM and SIGHUP must unwind like Ctrl-C, else they would outlive the launcher.
+    previous = {sig: signal.signal(sig, _raise_terminated)
+                for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         status, reason = _watch(cfg, roles, progress, run_dir, events)
     except KeyboardInterrupt:
         status, reason = "interrupted", "Ctrl-C"
+    except Terminated as e:
+        status, reason = "interrupted", str(e)
     finally:
+        for sig in previous:  # a second signal must not cut the clean-up short
+            signal.signal(sig, signal.SIG_IGN)
         progress.close()
         for r in reversed(roles):  # actors first, learner last
             r.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     summary = _summary(cfg, roles, status, reason, time.time() - t0)
     from learner.checkpoint import atomic_write_bytes
 

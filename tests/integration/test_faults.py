@@ -166,6 +166,34 @@ def test_killed_actor_restarts_and_a_stalled_one_only_loses_its_late_groups(tiny
           f"ledger {json.dumps(ledger)}")
 
 
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"  # exited, not yet reaped
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_terminated_launcher_takes_its_processes_with_it(tiny_model_dir, tmp_path, sig):
+    """The roles run in their own sessions, so a SIGTERM or SIGHUP to the launcher alone
+    (a job scheduler, a closed terminal) must stop them: once it took only the launcher,
+    and the learner and actors (vLLM engines included) trained on."""
+    run = Run(tmp_path / "run", tiny_model_dir, "actors.num=2", "actors.engine=simulated",
+              "learner.max_steps=10000")
+    run.wait_for("step 1", lambda: run.step() >= 1, 300)
+    pids = run.pids()
+    run.proc.send_signal(sig)
+    assert run.proc.wait(60) == 130, run.log()
+    run.out.close()
+    deadline = time.monotonic() + 10
+    while not all(_gone(p) for p in pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all(_gone(p) for p in pids.values()), (pids, run.log())
+    summary = json.loads((run.dir / "summary.json").read_text())
+    assert (summary["status"], summary["reason"]) == ("interrupted", sig.name)
+
+
 def test_a_learner_frozen_past_the_request_timeout_loses_no_capacity(tiny_model_dir,
                                                                       tmp_path):
     """SIGSTOP the learner for several request timeouts (a network partition as the actors
