@@ -189,7 +189,10 @@ def test_a_terminated_launcher_takes_its_processes_with_it(tiny_model_dir, tmp_p
     deadline = time.monotonic() + 10
     while not all(_gone(p) for p in pids.values()) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert all(_gone(p) for p in pids.values()), (pids, run.log())
+    left = {name: p for name, p in pids.items() if not _gone(p)}
+    for p in left.values():  # do not leave them to the rest of the suite
+        _signal_group(p, signal.SIGKILL)
+    assert not left, (left, run.log())
     summary = json.loads((run.dir / "summary.json").read_text())
     assert (summary["status"], summary["reason"]) == ("interrupted", sig.name)
 
