@@ -181,17 +181,38 @@ def save_checkpoint(model: Any, tokenizer: Any, out_dir: str | Path) -> Path:
 
 class _Batches:
     """Seeded epochs: a fresh permutation of the traces per epoch, ``size`` at a time
-    (the short tail of an epoch is skipped, so every batch has the same size)."""
+    (the short tail of an epoch is skipped, so every batch has the same size).
 
-    def __init__(self, n: int, size: int, rng: np.random.Generator):
+    With ``lengths``, batches are grouped by length: each epoch's permutation is cut into
+    chunks of ``GROUP_BATCHES`` batches, each chunk sorted by length and cut into batches,
+    and the batches shuffled. Right padding then costs little (the suite's traces are 93
+    to 290 tokens: random batches were padded to 1.8x the tokens they hold)."""
+
+    GROUP_BATCHES = 8
+
+    def __init__(self, n: int, size: int, rng: np.random.Generator,
+                 lengths: list[int] | None = None):
         self.n, self.size, self.rng = n, min(size, n), rng
-        self.order, self.pos = rng.permutation(n), 0
+        self.lengths = None if lengths is None else np.asarray(lengths)
+        self.queue: list[np.ndarray] = []
+
+    def _epoch(self) -> list[np.ndarray]:
+        order = self.rng.permutation(self.n)
+        usable = self.n - self.n % self.size
+        if self.lengths is None:
+            return [order[i:i + self.size] for i in range(0, usable, self.size)]
+        chunk = self.size * self.GROUP_BATCHES
+        batches = []
+        for i in range(0, usable, chunk):
+            part = order[i:min(i + chunk, usable)]
+            part = part[np.argsort(self.lengths[part], kind="stable")]
+            batches += [part[j:j + self.size] for j in range(0, len(part), self.size)]
+        return [batches[k] for k in self.rng.permutation(len(batches))]
 
     def next(self) -> np.ndarray:
-        if self.pos + self.size > self.n:
-            self.order, self.pos = self.rng.permutation(self.n), 0
-        self.pos += self.size
-        return self.order[self.pos - self.size:self.pos]
+        if not self.queue:
+            self.queue = self._epoch()[::-1]
+        return self.queue.pop()
 
 
 def _train_step(model: Any, opt: Any, ids: Any, mask: Any) -> tuple[float, float]:
@@ -227,7 +248,8 @@ def run_sft(model_dir: str | Path, data_path: str | Path, out_dir: str | Path,
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95),
                             weight_decay=weight_decay)
-    batches = _Batches(len(data), batch_size, np.random.default_rng(seed))
+    batches = _Batches(len(data), batch_size, np.random.default_rng(seed),
+                       lengths=[len(ids) for ids, _ in data])
     cpu0 = time.process_time()  # CPU seconds: comparable between loaded and idle machines
     t0 = last_log = time.perf_counter()
     step, tokens, window, history = 0, 0, [], []
