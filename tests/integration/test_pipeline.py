@@ -20,7 +20,10 @@ SMALL = ["pipeline.suite_entities=60", "pipeline.suite_sft=48", "pipeline.suite_
          f"pipeline.suite_heldout={HELDOUT}", "pipeline.sft_time_s=0", "pipeline.sft_steps=60",
          "pipeline.eval_k=1", "pipeline.eval_limit=0", "actors.num=1", "learner.max_steps=3",
          "run.time_limit_s=0", "learner.checkpoint_every=2", "learner.batch_groups=1",
-         "rollout.group_size=4", "rollout.initial_samples=2", "sampling.max_response_tokens=160"]
+         "rollout.group_size=4", "rollout.initial_samples=2", "sampling.max_response_tokens=160",
+         # every trace uses its tools: 60 steps on the default's 40% answering from memory
+         # teach only that, and this test checks the tool path end to end
+         "pipeline.suite_direct=0"]
 
 
 def _launch(*args: str, timeout: float = 540) -> subprocess.CompletedProcess:

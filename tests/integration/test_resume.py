@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -77,10 +78,17 @@ def _trainer(mode: str, run_dir: Path, model: Path, zero: int, world: int) -> di
     cmd = [PY, "-c", _TRAINER] if world == 1 else [
         PY, "-m", "torch.distributed.run", f"--nproc-per-node={world}", f"--master-port={port}",
         "--no-python", PY, "-c", _TRAINER]
-    res = subprocess.run(cmd + [mode, str(run_dir), str(model), str(zero)], cwd=REPO,
-                         env=python_env() | {"OMP_NUM_THREADS": "1"}, capture_output=True,
-                         text=True, timeout=300)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    for attempt in (1, 2):
+        res = subprocess.run(cmd + [mode, str(run_dir), str(model), str(zero)], cwd=REPO,
+                             env=python_env() | {"OMP_NUM_THREADS": "1"}, capture_output=True,
+                             text=True, timeout=300)
+        # Once in CI a gloo rank of the two-rank ZeRO-3 run died of SIGABRT (passing on
+        # every rerun since): one retry for that, reported, never for a wrong result.
+        if attempt == 1 and world > 1 and "(SIGABRT)" in res.stderr:
+            warnings.warn(f"two-rank trainer aborted; retrying once:\n{res.stderr[:3000]}")
+            continue
+        break
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[:3000] + res.stderr[-4000:]
     return dict(np.load(run_dir / f"{mode}.npz"))
 
 
