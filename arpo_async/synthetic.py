@@ -315,9 +315,14 @@ async def build_trace(task: Task, tools: RealTools, direct: bool = False) -> dic
     if direct:
         segments = [{"text": f"<think>{THINK_DIRECT}</think>\n<answer>\\boxed{{{task.answer}}}"
                              "</answer>", "role": "model"}]
-        return {"id": task.id, "kind": task.kind, "question": task.question,
-                "answers": [task.answer], "system": SYSTEM_PROMPT, "segments": segments,
-                "response": segments[0]["text"], "direct": True}
+    else:
+        segments = await _tool_segments(task, tools)
+    return {"id": task.id, "kind": task.kind, "question": task.question,
+            "answers": [task.answer], "system": SYSTEM_PROMPT, "segments": segments,
+            "response": "".join(s["text"] for s in segments), "direct": direct}
+
+
+async def _tool_segments(task: Task, tools: RealTools) -> list[dict]:
     thought = THINK[task.kind].format(task.question.removeprefix("What is ").rstrip("?"))
     segments = [{"text": f"<think>{thought}</think>\n", "role": "model"}]
     output, found = "", iter(task.found)
@@ -334,9 +339,7 @@ async def build_trace(task: Task, tools: RealTools, direct: bool = False) -> dic
     if final != task.answer or (task.kind == "lookup" and task.answer not in output):
         raise RuntimeError(f"{task.id}: tools gave {output!r}, expected {task.answer!r}")
     segments[-1]["text"] = f"<answer>\\boxed{{{final}}}</answer>"
-    return {"id": task.id, "kind": task.kind, "question": task.question,
-            "answers": [task.answer], "system": SYSTEM_PROMPT, "segments": segments,
-            "response": "".join(s["text"] for s in segments)}
+    return segments
 
 
 async def build_traces(tasks: list[Task], tools: RealTools, concurrency: int = 8,
@@ -391,7 +394,7 @@ def write_suite(out_dir: str | Path, spec: SuiteSpec = SuiteSpec(), concurrency:
     meta = {"spec": asdict(spec), "system_prompt": SYSTEM_PROMPT,
             "tools": {"search_topk": spec.topk, "search_snippet_chars": spec.snippet_chars},
             "counts": {"corpus": len(docs), **{s: len(t) for s, t in tasks.items()},
-               "sft_direct": int(direct.sum())},
+                       "sft_direct": int(direct.sum())},
             "timings_s": {"tasks": round(t1 - t0, 2), "traces": round(time.perf_counter() - t1, 2)}}
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     return meta

@@ -65,12 +65,16 @@ class ActorLedger:
     def lost(self) -> int:
         return self.sent() - self.received_total
 
+    def outstanding(self) -> int:
+        """Tickets of the current incarnation whose groups have not arrived."""
+        return max(self.granted - self.used, 0)
+
     def void_tickets(self) -> int:
         """Forget the current incarnation's outstanding tickets; how many there were
         (the caller releases them from admission)."""
-        outstanding = self.granted - self.used
+        outstanding = self.outstanding()
         self.granted = self.used = 0
-        return max(outstanding, 0)
+        return outstanding
 
     def take_ticket(self, pid: int) -> bool:
         """Whether a group just received from incarnation ``pid`` used a ticket still
@@ -177,7 +181,7 @@ class Ledger:
         arrive as orphans."""
         out = []
         for actor_id, led in self.actors.items():
-            if led.granted > led.used and now - led.last_seen > silent_s:
+            if led.outstanding() and now - led.last_seen > silent_s:
                 n = led.void_tickets()
                 led.orphaned += n
                 out.append((actor_id, n, now - led.last_seen))

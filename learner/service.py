@@ -194,10 +194,10 @@ class LearnerService:
         # Fair share: no actor holds more than its part of a staleness window's groups, so
         # a fast actor that always asks first cannot starve the others in short runs.
         # Shared among the actors heard from lately: a stopped one does not shrink it.
-        window = (self.cfg.learner.max_staleness + 1) * self.cfg.learner.batch_groups
+        window = self.admission.limit(0)  # groups that may start on one version's weights
         alive = self.ledger.alive(time.time(), self.cfg.learner.actor_silent_s)
         share = max(1, -(-window // max(alive, 1)))
-        want = max(0, min(msg.n, share - (led.granted - led.used)))
+        want = max(0, min(msg.n, share - led.outstanding()))
         if want == 0:
             return P.TicketGrant(0, self.published, reason="fair_share")
         granted, reason = self.admission.grant(want, self.version, msg.version)
