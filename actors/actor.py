@@ -27,13 +27,14 @@ import socket
 import time
 from pathlib import Path
 
-from actors.engine import GenerationEngine
+from actors.engines.base import GenerationEngine
 from actors.rollout import Rollout
 from actors.weight_sync import WeightSync, ZmqWeights, build_weight_sync
-from arpo_async import protocol as P
-from arpo_async.metrics import append_jsonl, probe_sequence
-from arpo_async.tasks import PromptSource, saved_position
-from arpo_async.transport import ControlClient, TrajectorySender, TransportTimeout
+from arpo_async.core import protocol as P
+from arpo_async.core.metrics import append_jsonl, probe_sequence
+from arpo_async.core.rundir import saved_position
+from arpo_async.core.transport import ControlClient, TrajectorySender, TransportTimeout
+from toolenv.tasks.prompts import PromptSource
 
 log = logging.getLogger("actor")
 
@@ -177,7 +178,7 @@ class Actor:
                "tokens_per_s": self.model_tokens / elapsed, "weight_updates": self.updates,
                "pause_s": self.pause_s, "idle_s": self.idle_s, "tool_calls": self.tool_calls,
                "version": self.engine.version,
-               # for idle fractions (arpo_async/experiments.py): slot-seconds = elapsed * slots
+               # for idle fractions (arpo_async/jobs/experiments.py): slot-seconds = elapsed * slots
                "elapsed_s": elapsed, "send_blocked_s": getattr(self.sender, "blocked_s", 0.0),
                # restart bookkeeping (learner/service.py): incarnation and data position
                "pid": float(os.getpid()), "data_pos": float(self.data_position())}

@@ -9,7 +9,7 @@ group's ``BranchPlanner``; a fork copies every token up to and including the too
 result (so the call is not run again) and resamples the round from there.
 
 Entropy comes from the engine's top-k log-probs with the tail-corrected estimate
-(``actors.entropy``), normalised by log V.
+(``arpo_async.core.entropy``), normalised by log V.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from actors.branching import BranchPlanner, BranchSettings, aepo_global_samples
-from actors.engine import GenerationEngine, GenRequest
-from actors.entropy import entropy_from_topk, window_entropy
+from actors.engines.base import GenerationEngine, GenRequest
 from actors.rollout import new_group_id
-from arpo_async.protocol import Trajectory, TrajectoryGroup
-from arpo_async.tasks import Prompt, PromptSource
+from arpo_async.core.entropy import entropy_from_topk, window_entropy
+from arpo_async.core.protocol import Trajectory, TrajectoryGroup
 from toolenv.tags import STOP_TAGS, find_tool_call, format_result
+from toolenv.tasks.prompts import Prompt, PromptSource
 
 
 @dataclass

@@ -80,7 +80,7 @@ class BranchSettings:
 
     @classmethod
     def from_config(cls, rollout_cfg: Any) -> BranchSettings:
-        """From ``arpo_async.config.RolloutConfig``: grpo samples all M at once and never
+        """From ``arpo_async.core.config.RolloutConfig``: grpo samples all M at once and never
         forks; arpo/aepo branch; the AEPO switches apply only in aepo mode."""
         mode = rollout_cfg.mode
         m = rollout_cfg.group_size

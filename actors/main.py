@@ -29,16 +29,16 @@ async def run_actor(cfg, actor_id: int) -> None:
     from transformers import AutoTokenizer
 
     from actors.actor import Actor
-    from actors.engine import build_engine
-    from arpo_async.keys import client_keys_for
-    from arpo_async.tasks import PromptSource
-    from arpo_async.transport import ControlClient, TrajectorySender
+    from actors.engines import build_engine
+    from arpo_async.core.keys import client_keys_for
+    from arpo_async.core.transport import ControlClient, TrajectorySender
+    from toolenv.tasks.prompts import PromptSource
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     engine = await build_engine(cfg, cfg.model.path, actor_id)
     tools = None
     if cfg.tools.enabled:
-        from toolenv.base import build_tools
+        from toolenv.runner import build_tools
 
         tools = build_tools(cfg.tools, cfg.run.dir)
     rng = np.random.default_rng([cfg.run.seed, 1000 + actor_id])
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s actor{args.actor_id} %(name)s %(message)s")
-    from arpo_async.config import load_config
+    from arpo_async.core.config import load_config
 
     asyncio.run(run_actor(load_config(args.config), args.actor_id))
     return 0

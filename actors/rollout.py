@@ -14,9 +14,9 @@ from typing import Protocol
 
 import numpy as np
 
-from actors.engine import GenerationEngine, GenRequest
-from arpo_async.protocol import Trajectory, TrajectoryGroup
-from arpo_async.tasks import Prompt, PromptSource
+from actors.engines.base import GenerationEngine, GenRequest
+from arpo_async.core.protocol import Trajectory, TrajectoryGroup
+from toolenv.tasks.prompts import Prompt, PromptSource
 
 
 class Rollout(Protocol):

@@ -13,7 +13,7 @@
 uses ZeroMQ, and an NCCL failure later (the learner aborted a stuck transfer) also falls
 back to ZeroMQ. Either way ``sync`` returns what was loaded, or None when nothing newer.
 
-The pure helpers (``machine_id``, ``init_info_from``, ``update_info_from``) build exactly
+The pure helpers (``init_info_from``, ``update_info_from``) build exactly
 the dicts vLLM's ``NCCLWeightTransferInitInfo``/``UpdateInfo`` take, and are unit-tested
 against those classes on CPU.
 """
@@ -22,16 +22,14 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
-from arpo_async import protocol as P
+from arpo_async.core import protocol as P
+from arpo_async.core.host import machine_id
 
 log = logging.getLogger("actor.weights")
 
-_BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
 
 @dataclass
@@ -59,15 +57,6 @@ class NcclTransferFailed(RuntimeError):
 
 
 EXIT_RESTART = 75  # EX_TEMPFAIL: the launcher restarts an actor that exits non-zero
-
-
-def machine_id() -> str:
-    """The kernel's boot id: equal for processes on one machine (containers included),
-    different across machines. The hostname stands in where /proc lacks it."""
-    try:
-        return _BOOT_ID.read_text().strip()
-    except OSError:
-        return "host:" + socket.gethostname()
 
 
 def init_info_from(reply: P.NcclJoinReply) -> dict:

@@ -14,12 +14,12 @@ RUN_DIR that are still running are adopted and reconnect, the missing ones are s
 
 With ``pipeline.enabled`` (configs/default.yaml) the launcher runs the whole job around
 RL: synthetic suite and model, cold-start SFT, evaluation before and after RL, summary
-and plots (arpo_async/pipeline.py); ``--resume`` then skips the finished stages.
+and plots (arpo_async/jobs/pipeline.py); ``--resume`` then skips the finished stages.
 
-``--dry-run`` validates the config and prints the process plan (arpo_async/plan.py).
+``--dry-run`` validates the config and prints the process plan (arpo_async/launcher/plan.py).
 ``python -m arpo_async.launch actor --connect tcp://HOST:PORT [--actor-id I] [--keys DIR]``
 runs one actor on another machine, with the config it gets from the learner
-(arpo_async/remote.py, docs/scale-out.md).
+(arpo_async/launcher/remote.py, docs/scale-out.md).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ EPILOG = "config keys (set any with key=value):\n"
 
 
 def _parser() -> argparse.ArgumentParser:
-    from arpo_async.config import describe
+    from arpo_async.core.config import describe
 
     p = argparse.ArgumentParser(
         prog="python -m arpo_async.launch", description=__doc__,
@@ -48,11 +48,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _is_pipeline(args) -> bool:
-    """The whole job (arpo_async/pipeline.py) or the RL stage alone (supervisor)?"""
+    """The whole job (arpo_async/jobs/pipeline.py) or the RL stage alone (supervisor)?"""
     from pathlib import Path
 
-    from arpo_async.config import load_config
-    from arpo_async.pipeline import USER_CONFIG
+    from arpo_async.core.config import load_config
+    from arpo_async.jobs.pipeline import USER_CONFIG
 
     if args.resume:
         return (Path(args.resume) / USER_CONFIG).is_file()
@@ -61,23 +61,23 @@ def _is_pipeline(args) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["actor"]:  # an actor on another machine (arpo_async/remote.py)
-        from arpo_async.remote import main as actor_main
+    if argv[:1] == ["actor"]:  # an actor on another machine (arpo_async/launcher/remote.py)
+        from arpo_async.launcher.remote import main as actor_main
 
         return actor_main(argv[1:])
     args = _parser().parse_args(argv)
-    from arpo_async.config import ConfigError
+    from arpo_async.core.config import ConfigError
 
     try:
         if args.dry_run:
-            from arpo_async.plan import dry_run
+            from arpo_async.launcher.plan import dry_run
 
             return dry_run(args)
         if _is_pipeline(args):
-            from arpo_async.pipeline import run
+            from arpo_async.jobs.pipeline import run
 
             return run(args)
-        from arpo_async.supervisor import launch
+        from arpo_async.launcher.supervisor import launch
 
         return launch(args)
     except ConfigError as exc:

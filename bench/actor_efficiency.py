@@ -41,7 +41,7 @@ SCRATCH = SCRATCH_DIR
 
 
 def bench_config(model: str, slots: int, group_size: int, extra: list[str]):
-    from arpo_async.config import SPINE_CONFIG, load_config
+    from arpo_async.core.config import SPINE_CONFIG, load_config
 
     return load_config(SPINE_CONFIG, overrides=[
         f"model.path={model}", "actors.engine=vllm", f"actors.concurrent_groups={slots}",
@@ -52,7 +52,7 @@ def bench_config(model: str, slots: int, group_size: int, extra: list[str]):
 
 
 def runner(delay_s: float, concurrency: int):
-    from toolenv.base import ToolRunner
+    from toolenv.runner import ToolRunner
 
     return ToolRunner({"python": SleepTool("python", delay_s)}, cache=None, rate_per_s=0,
                       concurrency=concurrency, timeout_s=30, retries=0)
@@ -105,8 +105,8 @@ async def measure(cfg, engine, tokenizer, prompts, args, profile: bool) -> dict:
 async def run(args) -> dict:
     from transformers import AutoTokenizer
 
-    from actors.engine import build_engine
-    from arpo_async.tasks import PromptSource
+    from actors.engines import build_engine
+    from toolenv.tasks.prompts import PromptSource
 
     model = str(build_tool_caller(args.model))
     cfg = bench_config(model, args.slots[0], args.group_size, args.overrides)

@@ -32,7 +32,7 @@ TOOL_HEAVY = {"<python>": 0.2, "</python>": 0.1, "<|im_end|>": 0.002, "</answer>
 
 
 def _cfg(args, mode: str, run_dir: str):
-    from arpo_async.config import config_from_dict
+    from arpo_async.core.config import config_from_dict
 
     return config_from_dict({
         "run": {"dir": run_dir, "seed": 0},
@@ -50,9 +50,9 @@ async def tool_calls(args, model: str) -> tuple[dict, list]:
     from transformers import AutoTokenizer
 
     from actors.agent_rollout import AgentRollout
-    from actors.vllm_engine import VLLMEngine
-    from arpo_async.tasks import PromptSource
-    from toolenv.base import build_tools
+    from actors.engines.vllm_engine import VLLMEngine
+    from toolenv.runner import build_tools
+    from toolenv.tasks.prompts import PromptSource
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     engine = await VLLMEngine.create(model, max_model_len=512, kv_cache_gib=0.25, seed=0)
@@ -86,7 +86,7 @@ async def tool_calls(args, model: str) -> tuple[dict, list]:
 def learner_times(args, model: str, groups) -> dict:
     import torch
 
-    from arpo_async.config import config_from_dict
+    from arpo_async.core.config import config_from_dict
     from learner.batching import samples_from_groups
     from learner.main import _init_distributed
     from learner.trainer import PolicyTrainer

@@ -37,10 +37,10 @@ def pinned_run(overrides: list[str], run_dir: Path, timeout_s: float) -> dict:
     """Start the launcher's roles with CPU affinity, wait for the learner, summarise."""
     import argparse as ap
 
-    from arpo_async.config import save_config
-    from arpo_async.dsops import prebuild_deepspeed_ops
-    from arpo_async.experiments import summarize_run
-    from arpo_async.supervisor import plan, resolve
+    from arpo_async.core.config import save_config
+    from arpo_async.core.dsops import prebuild_deepspeed_ops
+    from arpo_async.jobs.experiments import summarize_run
+    from arpo_async.launcher.supervisor import plan, resolve
 
     cfg = resolve(ap.Namespace(resume=None, config=None, overrides=[*overrides,
                                f"run.dir={run_dir}"], quiet=True, dry_run=False))
@@ -70,7 +70,7 @@ def pinned_run(overrides: list[str], run_dir: Path, timeout_s: float) -> dict:
     if rc != 0:
         raise SystemExit(f"learner failed (rc {rc}); see {run_dir / 'logs' / 'learner.log'}")
     row, _ = summarize_run(run_dir, cfg.actors.concurrent_groups)
-    from arpo_async.metrics import read_metrics
+    from arpo_async.core.metrics import read_metrics
 
     steps = read_metrics(run_dir)[1:]
     row["gen_s_per_step"] = sum(r["wait_s"] for r in steps) / len(steps)

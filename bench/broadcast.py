@@ -66,7 +66,7 @@ def copy_rates(tensors: dict[str, np.ndarray], reps: int = 3) -> dict:
 
 def client_main(endpoint: str, actor_id: int, conn) -> None:
     """An actor's weight receiver (process target): fetch when told, report timings."""
-    from arpo_async.transport import ControlClient
+    from arpo_async.core.transport import ControlClient
 
     async def run() -> None:
         client = ControlClient(endpoint, timeout_s=120, max_bytes=2**31)
@@ -90,8 +90,8 @@ def client_main(endpoint: str, actor_id: int, conn) -> None:
 
 
 def broadcast_rates(tensors: dict[str, np.ndarray], actors: int, rounds: int) -> dict:
-    from arpo_async.protocol import Ack
-    from arpo_async.transport import ControlServer
+    from arpo_async.core.protocol import Ack
+    from arpo_async.core.transport import ControlServer
 
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     server = ControlServer(endpoint, lambda msg, peer: Ack(), max_bytes=2**31)
@@ -137,8 +137,8 @@ async def pause_per_update(model: str, updates: int) -> dict:
     """Generation pauses while a real vLLM engine takes in-place updates."""
     from safetensors.numpy import load_file
 
-    from actors.engine import GenRequest
-    from actors.vllm_engine import VLLMEngine
+    from actors.engines.base import GenRequest
+    from actors.engines.vllm_engine import VLLMEngine
 
     engine = await VLLMEngine.create(model, max_model_len=512, kv_cache_gib=0.5, cpu_bind="0")
     weights = {}

@@ -70,7 +70,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def ensure_tiny(path: str | Path, hidden: int = 128, layers: int = 2) -> Path:
-    from arpo_async.tiny_model import build_tiny_model
+    from arpo_async.jobs.tiny_model import build_tiny_model
 
     path = Path(path)
     if (path / "config.json").is_file():
@@ -139,7 +139,7 @@ class SleepTool:
 def sink_main(cfg_json: str, conn) -> None:
     """A learner-side endpoint without training (multiprocessing target): real
     LearnerService (tickets, receiver, ledger); every group is counted as trained."""
-    from arpo_async.config import config_from_dict
+    from arpo_async.core.config import config_from_dict
     from learner.service import LearnerService
 
     service = LearnerService(config_from_dict(json.loads(cfg_json)))
@@ -239,8 +239,8 @@ async def actor_window(cfg, engine, tokenizer, tools, warmup_s: float, window_s:
 
     from actors.actor import Actor
     from actors.main import build_rollout
-    from arpo_async.tasks import PromptSource
-    from arpo_async.transport import ControlClient, TrajectorySender
+    from arpo_async.core.transport import ControlClient, TrajectorySender
+    from toolenv.tasks.prompts import PromptSource
 
     cfg = sink_config(cfg)
     sink = Sink(cfg)

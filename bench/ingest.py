@@ -30,7 +30,7 @@ from common import REPO, SCRATCH_DIR, ensure_tiny, free_port, write_results
 
 
 def make_group(seed: int, leaves: int = 16, tokens: int = 1024, prompt: int = 128):
-    from arpo_async.protocol import Trajectory, TrajectoryGroup
+    from arpo_async.core.protocol import Trajectory, TrajectoryGroup
 
     rng = np.random.default_rng(seed)
     out = []
@@ -52,7 +52,7 @@ def producer_main(endpoint: str, count: int) -> None:
     """Process target: push ``count`` groups as fast as the sender allows."""
     import asyncio
 
-    from arpo_async.transport import TrajectorySender
+    from arpo_async.core.transport import TrajectorySender
 
     groups = [make_group(i) for i in range(8)]
 
@@ -69,8 +69,8 @@ def producer_main(endpoint: str, count: int) -> None:
 
 def stage_costs(batch: int, reps: int = 20) -> dict:
     """Seconds per group of each learner-side stage, in-process (no socket)."""
-    from arpo_async.protocol import decode, encode
-    from arpo_async.staleness import StalenessFilter
+    from arpo_async.core.protocol import decode, encode
+    from arpo_async.core.staleness import StalenessFilter
     from learner.batching import balanced_split, collate, samples_from_groups
 
     frames = [bytes(f) for f in encode(make_group(1))]
@@ -93,7 +93,7 @@ def stage_costs(batch: int, reps: int = 20) -> dict:
 
 
 def ingest_rate(count: int, batch: int) -> dict:
-    from arpo_async.config import SPINE_CONFIG, load_config
+    from arpo_async.core.config import SPINE_CONFIG, load_config
     from learner.batching import balanced_split, collate, samples_from_groups
     from learner.service import LearnerService
 
@@ -126,8 +126,8 @@ def ingest_rate(count: int, batch: int) -> dict:
 
 
 def many_actors(actors: int, steps: int, model: str, run_dir: str) -> dict:
-    from arpo_async.experiments import summarize_run
-    from arpo_async.metrics import read_metrics
+    from arpo_async.core.metrics import read_metrics
+    from arpo_async.jobs.experiments import summarize_run
 
     cmd = [sys.executable, "-m", "arpo_async.launch", "--quiet", f"run.dir={run_dir}",
            f"model.path={model}", "actors.engine=simulated", f"actors.num={actors}",

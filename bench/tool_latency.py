@@ -51,7 +51,7 @@ async def measure(cfg, engine, tokenizer, args) -> dict:
 async def run(args) -> dict:
     from transformers import AutoTokenizer
 
-    from actors.engine import build_engine
+    from actors.engines import build_engine
 
     model = str(build_tool_caller(args.model))
     slots = [int(v) for v in args.slots.split(",")]

@@ -23,9 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from toolenv.base import ToolRunner
 from toolenv.cache import ToolCache
 from toolenv.retriever_server import RetrieverProcess
+from toolenv.runner import ToolRunner
 from toolenv.search import SearchTool
 
 RESULTS = Path(__file__).resolve().parent / "results" / "tools.json"

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from arpo_async.protocol import TrajectoryGroup
+from arpo_async.core.protocol import TrajectoryGroup
 from learner.advantages import token_advantages
 
 

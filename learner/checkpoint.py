@@ -25,7 +25,7 @@ checkpoint and the ledger from both (groups trained after the checkpoint are cou
 "rolled_back"). Data position: each actor draws prompts from its own seeded
 permutation stream; it reports the earliest stream position it has not yet delivered,
 the learner records it here, and a (re)started actor continues from it
-(``arpo_async.tasks.saved_position``): prompts in flight when it died are drawn again,
+(``toolenv.tasks.prompts.saved_position``): prompts in flight when it died are drawn again,
 none is skipped. Actors that outlive a learner restart keep their own position.
 
 No deepspeed here: the trainer writes its engine state into the folder this module
@@ -37,124 +37,25 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+
+from arpo_async.core.files import atomic_write_bytes, fsync_path, fsync_tree, read_json
+from arpo_async.core.rundir import (
+    LATEST,
+    META,
+    PARTIAL,
+    checkpoint_name,
+    checkpoints_dir,
+    complete_checkpoints,
+)
 
 log = logging.getLogger("learner.checkpoint")
 
-CHECKPOINTS = "checkpoints"
-LATEST = "latest"
-META = "trainer_state.json"
-RUN_STATE = "state.json"  # RUN_DIR/state.json: the learner's view after every step
-_NAME = re.compile(r"^step-(\d{8})$")
-_PARTIAL = ".partial-"
 # Files of model.path that are weights (replaced by ours) rather than config/tokenizer.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
 _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-
-
-# ----------------------------------------------------------------------------- durable files
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or a folder (a folder's entry list is what makes a rename durable)."""
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(root: Path) -> int:
-    """fsync every file and folder under ``root`` (deepest first); returns files synced."""
-    count = 0
-    for folder, _dirs, files in os.walk(root, topdown=False):
-        for name in files:
-            fsync_path(Path(folder) / name)
-            count += 1
-        fsync_path(Path(folder))
-    return count
-
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Replace ``path`` with ``data``: temporary file, fsync, rename, fsync the folder."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
-
-
-def atomic_write_json(path: str | Path, obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
-
-
-def read_json(path: str | Path) -> dict | None:
-    """The JSON object in ``path``, or None when it is missing or unreadable (logged)."""
-    path = Path(path)
-    try:
-        obj = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        log.warning("%s is unreadable (%s); ignoring it", path, exc)
-        return None
-    if not isinstance(obj, dict):
-        log.warning("%s does not hold a JSON object; ignoring it", path)
-        return None
-    return obj
-
-
-# ----------------------------------------------------------------------------- layout
-
-
-def checkpoints_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / CHECKPOINTS
-
-
-def checkpoint_name(step: int) -> str:
-    if step < 0:
-        raise ValueError(f"checkpoint step must be >= 0, got {step}")
-    return f"step-{step:08d}"
-
-
-def is_complete(path: Path) -> bool:
-    """A checkpoint folder is complete when its metadata (written last) parses."""
-    return _NAME.match(path.name) is not None and read_json(path / META) is not None
-
-
-def complete_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoint folders, oldest first."""
-    root = checkpoints_dir(run_dir)
-    if not root.is_dir():
-        return []
-    return sorted((p for p in root.iterdir() if p.is_dir() and is_complete(p)),
-                  key=lambda p: p.name)
-
-
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint folder, or None.
-
-    ``latest`` names it too; after a crash between the folder's rename and the pointer
-    update the pointer is one behind, which is logged (the folder is complete either way:
-    its metadata is written and fsynced before the rename)."""
-    found = complete_checkpoints(run_dir)
-    newest = found[-1] if found else None
-    try:
-        name = (checkpoints_dir(run_dir) / LATEST).read_text().strip()
-    except OSError:
-        name = ""
-    if newest is not None and name != newest.name:
-        log.warning("checkpoint pointer %s names %r; the newest complete checkpoint is %s",
-                    checkpoints_dir(run_dir) / LATEST, name, newest.name)
-    return newest
 
 
 def read_meta(ckpt: str | Path) -> dict:
@@ -172,9 +73,9 @@ def prepare(run_dir: str | Path, step: int) -> Path:
     earlier crashed writes). Rank 0 calls it; every rank then writes into the folder."""
     root = checkpoints_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
-    for old in root.glob(f"{_PARTIAL}*"):
+    for old in root.glob(f"{PARTIAL}*"):
         shutil.rmtree(old, ignore_errors=True)
-    tmp = root / f"{_PARTIAL}{checkpoint_name(step)}"
+    tmp = root / f"{PARTIAL}{checkpoint_name(step)}"
     tmp.mkdir()
     return tmp
 
@@ -187,7 +88,7 @@ def commit(run_dir: str | Path, tmp: Path, step: int, meta: dict, keep: int) -> 
         json.dump(meta, f, indent=1, sort_keys=True)
     files = fsync_tree(tmp)
     if final.exists():  # the same step again (a resumed run repeating it): replace it
-        doomed = root / f"{_PARTIAL}old-{final.name}"
+        doomed = root / f"{PARTIAL}old-{final.name}"
         os.replace(final, doomed)
         fsync_path(root)
         shutil.rmtree(doomed, ignore_errors=True)

@@ -87,7 +87,7 @@ class LossSettings:
 
     @classmethod
     def from_config(cls, loss_cfg: Any) -> LossSettings:
-        """From ``arpo_async.config.LossConfig`` (its other fields are the learner's)."""
+        """From ``arpo_async.core.config.LossConfig`` (its other fields are the learner's)."""
         return cls(**{f: getattr(loss_cfg, f) for f in cls.__dataclass_fields__})
 
 

@@ -34,7 +34,7 @@ def _init_distributed(cfg=None) -> None:
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     backend = "gloo"
     if cfg is None or cfg.cluster.device == "cpu":
-        from arpo_async.dsops import prebuild_deepspeed_ops
+        from arpo_async.core.dsops import prebuild_deepspeed_ops
 
         prebuild_deepspeed_ops()  # under the launchers' flock: never compile beside another
     if cfg is not None:
@@ -69,12 +69,13 @@ def _broadcast(obj, rank: int, world: int):
 
 def _resume_point(cfg, trainer, rank: int, world: int, run_dir: Path) -> dict | None:
     """Load the newest checkpoint into ``trainer`` (every rank); its metadata, or None."""
+    from arpo_async.core import rundir as R
     from learner import checkpoint as C
 
-    ckpt = _broadcast(C.latest_checkpoint(run_dir) if rank == 0 else None, rank, world)
+    ckpt = _broadcast(R.latest_checkpoint(run_dir) if rank == 0 else None, rank, world)
     if ckpt is None:
         log.warning("--resume: no complete checkpoint in %s; starting from step 0",
-                    C.checkpoints_dir(run_dir))
+                    R.checkpoints_dir(run_dir))
         return None
     meta = C.read_meta(ckpt)
     saved = (meta.get("world_size"), meta.get("zero_stage"))
@@ -91,11 +92,12 @@ def _resume_point(cfg, trainer, rank: int, world: int, run_dir: Path) -> dict | 
 def _service_resume(run_dir: Path, meta: dict | None) -> dict | None:
     """What LearnerService.restore needs: the checkpoint's ledger and, when the learner
     that died wrote a newer run state, that state's ledger."""
-    from learner import checkpoint as C
+    from arpo_async.core import files as F
+    from arpo_async.core import rundir as R
 
     if meta is None:
         return None
-    state = C.read_json(run_dir / C.RUN_STATE)
+    state = F.read_json(run_dir / R.RUN_STATE)
     newer = state.get("ledger") if state and state.get("step", -1) >= meta["step"] else None
     return {"version": meta["policy_version"], "ledger": meta.get("ledger", {}), "newer": newer}
 
@@ -139,10 +141,11 @@ def _metrics_row(service, step: int, groups: list, stats: dict, train: dict) -> 
 def run(cfg, resume: bool = False) -> dict:
     import torch
 
-    from arpo_async.keys import server_keys_for
-    from arpo_async.metrics import MetricsWriter, append_jsonl, probe_sequence
+    from arpo_async.core.files import atomic_write_json
+    from arpo_async.core.keys import server_keys_for
+    from arpo_async.core.metrics import MetricsWriter, append_jsonl, probe_sequence
+    from arpo_async.core.rundir import RUN_STATE
     from learner.batching import balanced_split, samples_from_groups
-    from learner.checkpoint import RUN_STATE, atomic_write_json
     from learner.service import LearnerService
     from learner.trainer import PolicyTrainer
 
@@ -213,7 +216,7 @@ def run(cfg, resume: bool = False) -> dict:
         checkpoint_s = (_checkpoint(cfg, trainer, rank, world, step, state)
                         if every and (step % every == 0 or step == cfg.learner.max_steps) else 0.0)
         if rank == 0:
-            atomic_write_json(run_dir / RUN_STATE, state)
+            atomic_write_json(run_dir / RUN_STATE, state, sort_keys=True)
             writer.write(_metrics_row(service, step, groups, stats, train) | {
                 "wall_time": time.time() - t_start, "wait_s": wait_s,
                 "step_time_s": time.perf_counter() - t0, "broadcast_time_s": broadcast_s,
@@ -227,7 +230,7 @@ def run(cfg, resume: bool = False) -> dict:
         result["ledger"] = service.shutdown(wait_s=cfg.transport.timeout_s)
         result["service"] = service.snapshot()
         writer.close()
-        atomic_write_json(run_dir / "learner_summary.json", result)
+        atomic_write_json(run_dir / "learner_summary.json", result, sort_keys=True)
     return result
 
 
@@ -238,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="continue from the newest checkpoint in run_dir/checkpoints")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    from arpo_async.config import load_config
+    from arpo_async.core.config import load_config
 
     run(load_config(args.config), resume=args.resume)
     return 0

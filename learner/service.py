@@ -38,12 +38,11 @@ from collections import Counter
 import numpy as np
 import zmq
 
-from arpo_async import protocol as P
-from arpo_async.config import Config
-from arpo_async.plan import total_actors
-from arpo_async.remote import ConfigServer
-from arpo_async.staleness import Admission, StalenessFilter
-from arpo_async.transport import ControlServer, TrajectoryReceiver
+from arpo_async.core import protocol as P
+from arpo_async.core.config import Config, total_actors
+from arpo_async.core.staleness import Admission, StalenessFilter
+from arpo_async.core.transport import ControlServer, TrajectoryReceiver
+from learner.config_server import ConfigServer
 from learner.ledger import ActorLedger, Ledger, peer_count
 
 # ActorLedger and _count moved to learner/ledger.py; re-exported for older imports
@@ -125,7 +124,7 @@ class LearnerService:
         self.expected_actors = total_actors(cfg)  # local and remote (cluster.remote_actors)
         self.gate_deadline = time.monotonic() + cfg.actors.start_wait_s
         self.gate_open = self.expected_actors <= 1
-        # actors on other machines ask here for the config (arpo_async/remote.py); vLLM GPU
+        # actors on other machines ask here for the config (arpo_async/launcher/remote.py); vLLM GPU
         # actors on this machine may take weights over NCCL (learner/weight_sync.py)
         self.config_server = ConfigServer(cfg)
         self.fast_weights = None

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from arpo_async.config import Config
+from arpo_async.core.config import Config
 from learner.batching import Batch, LeafSample, balanced_split, collate, token_logprobs
 from learner.device import model_load_kwargs, prepare_model, setup_device, to_device
 from learner.losses import LossInputs, LossSettings, policy_loss
@@ -83,7 +83,7 @@ class PolicyTrainer:
         logp = token_logprobs(out.logits, batch.input_ids, self.temperature)
         entropy = None
         if self.loss_settings.entropy_coef or self.loss_settings.aepo_entropy_adv_gamma:
-            from actors.entropy import entropy_from_logits
+            from arpo_async.core.entropy import entropy_from_logits
 
             entropy = entropy_from_logits(out.logits[:, :-1].float() / self.temperature)
         return logp, entropy

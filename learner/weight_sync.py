@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from actors.weight_sync import machine_id
-from arpo_async import protocol as P
+from arpo_async.core import protocol as P
+from arpo_async.core.host import machine_id
 
 log = logging.getLogger("learner.weights")
 

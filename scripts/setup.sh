@@ -22,4 +22,4 @@ DS_BUILD_OPS=0 pip install -q -c .venv/constraints.txt -e ".[cpu,test]"
 pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 python -c "import vllm, deepspeed, zmq; print('setup ok: vllm', vllm.__version__, 'deepspeed', deepspeed.__version__)"
 # DeepSpeed compiles its CPU communication op on first use; do it once here.
-python -c "from arpo_async.dsops import prebuild_deepspeed_ops; prebuild_deepspeed_ops()"
+python -c "from arpo_async.core.dsops import prebuild_deepspeed_ops; prebuild_deepspeed_ops()"

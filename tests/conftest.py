@@ -32,7 +32,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    from arpo_async.tiny_model import build_tiny_model
+    from arpo_async.jobs.tiny_model import build_tiny_model
 
     return Path(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny"))
 

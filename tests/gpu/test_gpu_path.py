@@ -62,7 +62,7 @@ def test_learner_device_helpers_train_on_the_gpu(tiny_model_dir):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from arpo_async.config import config_from_dict
+    from arpo_async.core.config import config_from_dict
     from learner.batching import LeafSample, collate, token_logprobs
     from learner.device import (
         attn_implementation,
@@ -100,7 +100,7 @@ import json, sys
 import numpy as np
 import torch
 import torch.distributed as dist
-from arpo_async.config import config_from_dict
+from arpo_async.core.config import config_from_dict
 from learner import main as M
 from learner.batching import LeafSample
 
@@ -149,8 +149,8 @@ def test_learner_trains_on_the_gpu_over_nccl(tiny_model_dir):
 
 
 async def test_vllm_engine_on_gpu_generates_and_updates_in_place(tiny_model_dir):
-    from actors.engine import GenRequest
-    from actors.vllm_engine import VLLMEngine
+    from actors.engines.base import GenRequest
+    from actors.engines.vllm_engine import VLLMEngine
 
     engine = await VLLMEngine.create(tiny_model_dir, dtype="bfloat16", max_model_len=512,
                                      gpu_memory_utilization=0.3, enforce_eager=False,
@@ -173,9 +173,9 @@ async def test_nccl_weight_sync_into_a_vllm_actor_on_another_gpu(tiny_model_dir)
 
     if torch.cuda.device_count() < 2:
         pytest.skip("NCCL weight sync needs two GPUs (one NCCL rank per GPU)")
-    from actors.vllm_engine import VLLMEngine
+    from actors.engines.vllm_engine import VLLMEngine
     from actors.weight_sync import NcclWeights, build_weight_sync
-    from arpo_async.config import config_from_dict
+    from arpo_async.core.config import config_from_dict
     from learner.weight_sync import NcclWeightServer
 
     # learner rank 0 on GPU 1, the actor's vLLM worker on GPU 0; small chunks so that a

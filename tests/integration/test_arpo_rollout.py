@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from arpo_async.config import config_from_dict
+from arpo_async.core.config import config_from_dict
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -29,8 +29,8 @@ def _cfg(mode: str, run_dir) -> object:
 
 async def _groups(mode, model, engine, tokenizer, tmp_path):
     from actors.agent_rollout import AgentRollout
-    from arpo_async.tasks import PromptSource
-    from toolenv.base import build_tools
+    from toolenv.runner import build_tools
+    from toolenv.tasks.prompts import PromptSource
 
     cfg = _cfg(mode, tmp_path / mode)
     tools = build_tools(cfg.tools, cfg.run.dir)
@@ -46,7 +46,7 @@ async def _groups(mode, model, engine, tokenizer, tmp_path):
 async def test_arpo_branches_after_tool_results_and_saves_tool_calls(tiny_model_dir, tmp_path):
     from transformers import AutoTokenizer
 
-    from actors.vllm_engine import VLLMEngine
+    from actors.engines.vllm_engine import VLLMEngine
     from bench.common import build_tool_caller
 
     # most rounds end in a tool call, so trajectories reach the tool-call limit, as in

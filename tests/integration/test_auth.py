@@ -44,14 +44,14 @@ def test_a_non_loopback_bind_without_keys_is_refused_at_start(tmp_path):
                   "transport.host=0.0.0.0")
     assert res.returncode == 2, res.stderr
     lines = [x for x in res.stderr.splitlines() if x.strip()]
-    assert len(lines) == 1 and "python -m arpo_async.keys" in lines[0], res.stderr
+    assert len(lines) == 1 and "python -m arpo_async.core.keys" in lines[0], res.stderr
     assert not (tmp_path / "model").exists() and not (tmp_path / "run" / "processes.json").exists()
 
 
 def test_insecure_true_is_allowed_with_a_warning(tmp_path, capsys):
     from argparse import Namespace
 
-    from arpo_async.supervisor import resolve
+    from arpo_async.launcher.supervisor import resolve
 
     args = Namespace(resume=None, config=None, quiet=True, dry_run=True, overrides=[
         f"run.dir={tmp_path / 'run'}", "transport.host=0.0.0.0", "transport.insecure=true"])
@@ -61,7 +61,7 @@ def test_insecure_true_is_allowed_with_a_warning(tmp_path, capsys):
 
 
 def _group(actor_id: int):
-    from arpo_async.protocol import Trajectory, TrajectoryGroup, encode
+    from arpo_async.core.protocol import Trajectory, TrajectoryGroup, encode
 
     leaf = Trajectory(tokens=np.arange(5, 13, dtype=np.int32), loss_mask=np.ones(8, np.uint8),
                       logprobs=np.full(8, -1.0, np.float32), versions=np.zeros(8, np.int32),
@@ -108,7 +108,7 @@ class Rogue:
         sock.close()
 
     def weights(self, keys: str) -> None:
-        from arpo_async.protocol import WeightsRequest, decode, encode
+        from arpo_async.core.protocol import WeightsRequest, decode, encode
 
         sock = self._socket(zmq.DEALER, self.ports["control_port"], keys)
         sock.send_multipart([(1).to_bytes(8, "big"), *encode(WeightsRequest(9, -1))])
@@ -128,10 +128,10 @@ class Rogue:
 
 
 def test_peers_without_the_run_key_get_nothing_in_and_nothing_out(tiny_model_dir, tmp_path):
-    from arpo_async.keys import load_client_keys
+    from arpo_async.core.keys import load_client_keys
 
     run_dir = tmp_path / "run"
-    made = subprocess.run([PY, "-m", "arpo_async.keys", str(run_dir)], cwd=REPO,
+    made = subprocess.run([PY, "-m", "arpo_async.core.keys", str(run_dir)], cwd=REPO,
                           env=python_env(), capture_output=True, text=True, timeout=30)
     assert made.returncode == 0, made.stderr
     secret = f"sk-{uuid.uuid4().hex}"

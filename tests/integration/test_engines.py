@@ -14,10 +14,11 @@ import pytest
 import pytest_asyncio
 import torch
 
-from actors.engine import GenRequest, build_engine
-from actors.hf_engine import HFEngine, sampling_logprobs
-from actors.vllm_engine import VLLMEngine
-from arpo_async.config import config_from_dict
+from actors.engines import build_engine
+from actors.engines.base import GenRequest
+from actors.engines.hf_engine import HFEngine, sampling_logprobs
+from actors.engines.vllm_engine import VLLMEngine
+from arpo_async.core.config import config_from_dict
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]
 

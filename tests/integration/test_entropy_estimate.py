@@ -1,6 +1,6 @@
 """How far the top-k entropy estimates (what vLLM's logprobs allow) are from the exact
 full-vocabulary entropy, on a real (randomly initialised, then briefly trained)
-Qwen3ForCausalLM. Prints the error table quoted in actors/entropy.py's docstring."""
+Qwen3ForCausalLM. Prints the error table quoted in arpo_async/core/entropy.py's docstring."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors.entropy import entropy_from_logits, entropy_from_topk, window_entropy
+from arpo_async.core.entropy import entropy_from_logits, entropy_from_topk, window_entropy
 
 transformers = pytest.importorskip("transformers")
 

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from arpo_async.experiments import COLUMNS, summarize_run
+from arpo_async.jobs.experiments import COLUMNS, summarize_run
 from tests.conftest import PY, REPO, SPINE, python_env
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -55,7 +55,7 @@ def test_summarize_run_by_hand(tmp_path):
 @pytest.mark.integration
 def test_sweep_2x2_simulated(tiny_model_dir, tmp_path):
     out = tmp_path / "sweep"
-    cmd = [PY, "-m", "arpo_async.experiments", "sweep", "--actors", "1,2", "--max-staleness",
+    cmd = [PY, "-m", "arpo_async.jobs.experiments", "sweep", "--actors", "1,2", "--max-staleness",
            "0,1", "--simulate", "--steps", "4", "--time-limit", "120", "--out", str(out),
            f"model.path={tiny_model_dir}", "rollout.mode=arpo", "rollout.group_size=4",
            "rollout.initial_samples=2", "sim.tokens_per_s=300"]

@@ -37,7 +37,7 @@ class Run:
                                      stderr=subprocess.STDOUT)
 
     def rows(self) -> list[dict]:
-        from arpo_async.metrics import read_metrics
+        from arpo_async.core.metrics import read_metrics
 
         return read_metrics(self.dir)
 
@@ -238,7 +238,7 @@ MAX_MB = 8  # transport.max_message_mb of the fuzz run
 
 
 def _valid_group_frames(rng: np.random.Generator) -> list[bytes]:
-    from arpo_async.protocol import Trajectory, TrajectoryGroup, encode
+    from arpo_async.core.protocol import Trajectory, TrajectoryGroup, encode
 
     n = int(rng.integers(1, 20))
     leaf = Trajectory(tokens=rng.integers(0, 100, n, dtype=np.int32),
@@ -256,7 +256,7 @@ def _with_header(frames: list[bytes], change) -> list[bytes]:
 
 def _bad_semantics(rng: np.random.Generator, kind: int) -> list[bytes]:
     """Groups that decode but must not be trained on (learner/service.py check_group)."""
-    from arpo_async.protocol import Trajectory, TrajectoryGroup, encode
+    from arpo_async.core.protocol import Trajectory, TrajectoryGroup, encode
 
     n = 8
     fields = dict(tokens=np.arange(1, n + 1, dtype=np.int32), loss_mask=np.ones(n, np.uint8),
@@ -300,7 +300,7 @@ def fuzz_frames(rng: np.random.Generator, i: int) -> list[bytes]:
             return [rng.bytes(int(MAX_MB * 2**20 * 1.2))]
         return [frames[0][:int(rng.integers(1, len(frames[0])))]]  # keep the run fast
     if kind == 8:  # a valid message of the wrong kind for this socket
-        from arpo_async.protocol import Hello, encode
+        from arpo_async.core.protocol import Hello, encode
 
         return [bytes(f) for f in encode(Hello(actor_id=0, pid=i))]
     return _bad_semantics(rng, i)
@@ -367,6 +367,8 @@ import os, signal, sys
 import numpy as np
 from pathlib import Path
 from safetensors.numpy import load_file
+from arpo_async.core import files as F
+from arpo_async.core import rundir as R
 from learner import checkpoint as C
 
 run_dir, model_dir = Path(sys.argv[1]), Path(sys.argv[2])
@@ -411,9 +413,10 @@ def _latest_loads(run_dir: Path, model_dir: Path) -> int:
     from safetensors.numpy import load_file
     from transformers import AutoModelForCausalLM
 
+    from arpo_async.core import rundir as R
     from learner import checkpoint as C
 
-    ckpt = C.latest_checkpoint(run_dir)
+    ckpt = R.latest_checkpoint(run_dir)
     step = C.read_meta(ckpt)["step"]
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     params = dict(model.named_parameters())
@@ -503,10 +506,10 @@ async def test_fifty_hostile_snippets_do_not_break_other_rollouts(tiny_model_dir
 
     if shutil.which("bwrap") is None:
         pytest.skip("bubblewrap (bwrap) is not installed")
-    from actors.engine import GenRequest
-    from actors.hf_engine import HFEngine
-    from arpo_async.config import ToolsConfig
-    from toolenv.base import build_tools
+    from actors.engines.base import GenRequest
+    from actors.engines.hf_engine import HFEngine
+    from arpo_async.core.config import ToolsConfig
+    from toolenv.runner import build_tools
 
     secret = f"sk-{uuid.uuid4().hex}"
     monkeypatch.setenv("SERPER_API_KEY", secret)  # what a web tool would hold

@@ -67,7 +67,7 @@ def _start(command: str, **kw) -> subprocess.Popen:
 
 
 def test_learner_with_two_actors_started_as_on_other_machines(tiny_model_dir, tmp_path):
-    from arpo_async.keys import generate
+    from arpo_async.core.keys import generate
 
     run_dir = tmp_path / "run"
     generate(run_dir)  # keys present: CurveZMQ on every socket, as between machines

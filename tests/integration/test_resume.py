@@ -28,7 +28,7 @@ _TRAINER = r"""
 import sys
 from pathlib import Path
 import numpy as np
-from arpo_async.config import SPINE_CONFIG as SPINE, load_config
+from arpo_async.core.config import SPINE_CONFIG as SPINE, load_config
 from learner import main as M
 from learner.batching import LeafSample, balanced_split
 
@@ -61,7 +61,7 @@ if mode == "save":
 elif mode == "resume":
     assert M._resume_point(cfg, trainer, rank, world, run_dir)["step"] == 2
 else:  # weights only: what a resume without the optimizer state would give
-    from learner.checkpoint import latest_checkpoint
+    from arpo_async.core.rundir import latest_checkpoint
     trainer.engine.load_checkpoint(str(latest_checkpoint(run_dir)), tag="deepspeed",
                                    load_optimizer_states=False)
 step(3); step(4)
@@ -98,7 +98,7 @@ def test_checkpoint_restores_weights_and_optimizer_exactly(tiny_model_dir, tmp_p
     import torch
     from transformers import AutoModelForCausalLM
 
-    from learner.checkpoint import latest_checkpoint
+    from arpo_async.core.rundir import latest_checkpoint
 
     saved = _trainer("save", tmp_path, tiny_model_dir, zero, world)
     resumed = _trainer("resume", tmp_path, tiny_model_dir, zero, world)
@@ -123,7 +123,7 @@ async def test_vllm_loads_a_checkpoint_folder(tiny_model_dir, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from actors.vllm_engine import VLLMEngine
+    from actors.engines.vllm_engine import VLLMEngine
     from learner import checkpoint as C
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -157,7 +157,7 @@ def _launch(*args: str, log: Path) -> subprocess.Popen:
 
 
 def _rows(run_dir: Path) -> list[dict]:
-    from arpo_async.metrics import read_metrics
+    from arpo_async.core.metrics import read_metrics
 
     return read_metrics(run_dir)
 

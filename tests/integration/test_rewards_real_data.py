@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from toolenv.data import load_examples
-from toolenv.rewards import Score, score_many, score_response
+from toolenv.tasks.data import load_examples
+from toolenv.tasks.rewards import Score, score_many, score_response
 
 pytestmark = pytest.mark.integration
 

@@ -262,8 +262,8 @@ async def test_unprivileged_user_namespace_mode():
 async def test_runner_with_the_real_tool(tmp_path):
     if shutil.which("bwrap") is None:
         pytest.skip("bubblewrap (bwrap) is not installed")
-    from arpo_async.config import ToolsConfig
-    from toolenv.base import build_tools
+    from arpo_async.core.config import ToolsConfig
+    from toolenv.runner import build_tools
 
     cfg = ToolsConfig(enabled=["python"], timeout_s=2.0, python_max_output=100)
     runner = build_tools(cfg, tmp_path)

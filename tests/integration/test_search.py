@@ -11,8 +11,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from toolenv.base import ToolRunner
 from toolenv.retriever_server import CorpusError, RetrieverProcess, load_corpus, start_retriever
+from toolenv.runner import ToolRunner
 from toolenv.search import NO_RESULTS, SearchTool
 from toolenv.websearch import WebSearchTool
 

@@ -13,17 +13,18 @@ import pytest
 import torch
 from aiohttp import web
 
-from actors.endpoint_engine import EndpointEngine
-from actors.engine import GenRequest
-from actors.hf_engine import HFEngine
-from arpo_async import synthetic as syn
-from arpo_async.config import config_from_dict
-from arpo_async.evaluate import evaluate, evaluate_async
-from arpo_async.sft import encode_trace, load_traces, masked_lm_loss, mean_loss, run_sft
+from actors.engines.base import GenRequest
+from actors.engines.endpoint_engine import EndpointEngine
+from actors.engines.hf_engine import HFEngine
+from arpo_async.core.config import config_from_dict
+from arpo_async.jobs import synthetic as syn
+from arpo_async.jobs.evaluate import evaluate, evaluate_async
+from arpo_async.jobs.sft import encode_trace, load_traces, masked_lm_loss, mean_loss, run_sft
+from toolenv.tasks import suite as gen
 
 pytestmark = pytest.mark.integration
 
-SPEC = syn.SuiteSpec(seed=1, entities=600, sft=300, rl=6, heldout=12)
+SPEC = gen.SuiteSpec(seed=1, entities=600, sft=300, rl=6, heldout=12)
 EVAL_OVERRIDES = {"sampling": {"max_new_tokens": 48, "max_response_tokens": 200},
                   "tools": {"search_topk": SPEC.topk, "search_snippet_chars": SPEC.snippet_chars},
                   "actors": {"kv_cache_gib": 0.25}}
@@ -38,7 +39,7 @@ def suite(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def base_model(suite, tmp_path_factory) -> Path:
-    from arpo_async.tiny_model import build_tiny_model
+    from arpo_async.jobs.tiny_model import build_tiny_model
 
     traces = syn.read_jsonl(suite / "sft.jsonl")
     return build_tiny_model(tmp_path_factory.mktemp("m") / "base", hidden=64, layers=2,
@@ -89,7 +90,7 @@ def test_tool_tokens_are_masked_and_model_tokens_are_not(suite, tokenizer):
 
 def test_loss_ignores_tool_targets(suite, tokenizer):
     data = load_traces(suite / "sft.jsonl", tokenizer, 512)[:2]
-    from arpo_async.sft import collate
+    from arpo_async.jobs.sft import collate
 
     ids, mask = collate(data, tokenizer.pad_token_id)
     logits = torch.randn(*ids.shape, 50)
@@ -125,7 +126,7 @@ def test_short_sft_lowers_model_token_loss_and_saves_a_checkpoint(sft_run, base_
 
 
 def test_sft_rejects_a_bad_row_naming_it(tmp_path, tokenizer):
-    from arpo_async.sft import SFTDataError
+    from arpo_async.jobs.sft import SFTDataError
 
     bad = tmp_path / "bad.jsonl"
     row = {"question": "q", "segments": [{"text": "x", "role": "user"}]}
@@ -155,7 +156,7 @@ def test_evaluate_synthetic_with_vllm_and_real_tools(sft_run, suite, tmp_path):
     summary = evaluate(cfg, suite / "heldout.jsonl", k=2, limit=6, out_dir=tmp_path,
                        engine="vllm", corpus=suite / "corpus.jsonl", log=lambda line: None)
     _check_summary(summary, 6, 2, tmp_path / "items.jsonl")
-    assert set(summary["per_kind"]) == set(syn.KINDS)
+    assert set(summary["per_kind"]) == set(gen.KINDS)
     # After SFT the model calls the tools that the task kind needs.
     tools = summary["tools"]
     assert tools.get("python.calls", 0) > 0 and tools.get("search.calls", 0) > 0
@@ -223,9 +224,9 @@ async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
 
 async def test_endpoint_engine_matches_the_model_it_serves(sft_run, tokenizer):
     hf = await HFEngine.create(sft_run["out"], seed=0, max_model_len=512)
-    prompt = syn.make_tasks(SPEC, "heldout")[1]
+    prompt = gen.make_tasks(SPEC, "heldout")[1]
     ids = tokenizer.apply_chat_template(
-        [{"role": "system", "content": syn.SYSTEM_PROMPT},
+        [{"role": "system", "content": gen.SYSTEM_PROMPT},
          {"role": "user", "content": prompt.question}], tokenize=True,
         add_generation_prompt=True, return_dict=False)
     stop = tokenizer.convert_tokens_to_ids(["</python>", "</search>", "</answer>"])

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import zmq
 
-from arpo_async import keys as K
-from arpo_async.protocol import (
+from arpo_async.core import keys as K
+from arpo_async.core.protocol import (
     Ack,
     Bye,
     Heartbeat,
@@ -32,7 +32,7 @@ from arpo_async.protocol import (
     decode,
     encode,
 )
-from arpo_async.transport import (
+from arpo_async.core.transport import (
     ControlClient,
     ControlServer,
     TrajectoryReceiver,
@@ -380,7 +380,7 @@ async def test_weights_fetch_throughput_50mb(record_property):
 
 
 def test_keys_cli_writes_private_secrets_and_loads(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "arpo_async.keys", str(tmp_path)], cwd=REPO, check=False,
+    run = subprocess.run([sys.executable, "-m", "arpo_async.core.keys", str(tmp_path)], cwd=REPO, check=False,
                          capture_output=True, text=True, timeout=30)
     assert run.returncode == 0, run.stderr
     d = tmp_path / "keys"
@@ -388,7 +388,7 @@ def test_keys_cli_writes_private_secrets_and_loads(tmp_path):
     for name in ("server", "client"):
         assert stat.S_IMODE((d / f"{name}.key_secret").stat().st_mode) == 0o600
         assert stat.S_IMODE((d / f"{name}.key").stat().st_mode) == 0o644
-    again = subprocess.run([sys.executable, "-m", "arpo_async.keys", str(tmp_path)], cwd=REPO, check=False,
+    again = subprocess.run([sys.executable, "-m", "arpo_async.core.keys", str(tmp_path)], cwd=REPO, check=False,
                            capture_output=True, text=True, timeout=30)
     assert again.returncode == 1 and "--force" in again.stderr
     server, cl = K.load_server_keys(d), K.load_client_keys(d)
@@ -408,7 +408,7 @@ def test_require_security_by_host(tmp_path, caplog):
         assert not K.is_loopback(host)
         with pytest.raises(K.SecurityError, match="transport.insecure"):
             K.require_security(host, False, tmp_path / "keys")
-    with caplog.at_level(logging.WARNING, logger="arpo_async.keys"):
+    with caplog.at_level(logging.WARNING, logger="arpo_async.core.keys"):
         assert K.require_security("0.0.0.0", True, None) is None
     assert "WITHOUT encryption" in caplog.text
     K.generate(tmp_path)

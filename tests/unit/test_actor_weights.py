@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from actors.actor import Actor
-from arpo_async import protocol as P
-from arpo_async.config import config_from_dict
+from arpo_async.core import protocol as P
+from arpo_async.core.config import config_from_dict
 
 
 class Engine:

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from arpo_async.protocol import Trajectory
+from arpo_async.core.protocol import Trajectory
 from learner.advantages import hard_advantages, soft_advantages, token_advantages
 
 

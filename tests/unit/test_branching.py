@@ -18,7 +18,7 @@ from actors.branching import (
     aepo_penalty_factor,
     branch_probability,
 )
-from arpo_async.config import RolloutConfig
+from arpo_async.core.config import RolloutConfig
 
 
 def _planner(seed=0, initial=None, **kw):

@@ -6,8 +6,9 @@ import time
 
 import pytest
 
-from toolenv.base import ToolResult, ToolRunner
+from toolenv.base import ToolResult
 from toolenv.cache import ToolCache, cache_clear, cache_stats, canonical_args
+from toolenv.runner import ToolRunner
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """learner/checkpoint.py (atomic writes, layout, retention, choosing what to load), the
 group checks and ledger bookkeeping of learner/service.py, and the prompt stream's data
-position (arpo_async/tasks.py) that restarts resume from."""
+position (toolenv/tasks/prompts.py) that restarts resume from."""
 
 from __future__ import annotations
 
@@ -11,11 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from arpo_async.config import SPINE_CONFIG, load_config
-from arpo_async.protocol import Trajectory, TrajectoryGroup
-from arpo_async.tasks import PromptSource, saved_position
+from arpo_async.core import files as F
+from arpo_async.core import rundir as R
+from arpo_async.core.config import SPINE_CONFIG, load_config
+from arpo_async.core.protocol import Trajectory, TrajectoryGroup
+from arpo_async.core.rundir import saved_position
 from learner import checkpoint as C
 from learner.service import ActorLedger, _count, check_group
+from toolenv.tasks.prompts import PromptSource
 
 
 def _write(run_dir: Path, step: int, keep: int = 3, payload: bytes = b"w") -> Path:
@@ -30,31 +33,31 @@ def _write(run_dir: Path, step: int, keep: int = 3, payload: bytes = b"w") -> Pa
 
 def test_atomic_write_replaces_whole_files_and_leaves_no_temporaries(tmp_path):
     path = tmp_path / "state.json"
-    C.atomic_write_json(path, {"step": 1})
-    C.atomic_write_json(path, {"step": 2, "x": [1, 2]})
+    F.atomic_write_json(path, {"step": 1})
+    F.atomic_write_json(path, {"step": 2, "x": [1, 2]})
     assert json.loads(path.read_text()) == {"step": 2, "x": [1, 2]}
     assert [p.name for p in tmp_path.iterdir()] == ["state.json"]
 
 
 def test_a_crash_before_the_rename_keeps_the_old_file(tmp_path, monkeypatch):
     path = tmp_path / "state.json"
-    C.atomic_write_json(path, {"step": 1})
+    F.atomic_write_json(path, {"step": 1})
 
     def crash(*_):
         raise OSError("killed here")
 
     monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(OSError, match="killed here"):
-        C.atomic_write_json(path, {"step": 2})
+        F.atomic_write_json(path, {"step": 2})
     assert json.loads(path.read_text()) == {"step": 1}
 
 
 def test_read_json_tolerates_missing_and_torn_files(tmp_path):
-    assert C.read_json(tmp_path / "none.json") is None
+    assert F.read_json(tmp_path / "none.json") is None
     (tmp_path / "torn.json").write_text('{"step": 3, "led')
-    assert C.read_json(tmp_path / "torn.json") is None
+    assert F.read_json(tmp_path / "torn.json") is None
     (tmp_path / "list.json").write_text("[1]")
-    assert C.read_json(tmp_path / "list.json") is None
+    assert F.read_json(tmp_path / "list.json") is None
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -63,42 +66,42 @@ def test_read_json_tolerates_missing_and_torn_files(tmp_path):
 def test_checkpoints_keep_the_newest_and_the_pointer_names_it(tmp_path):
     for step in (2, 4, 6, 8):
         _write(tmp_path, step, keep=2)
-    names = [p.name for p in C.complete_checkpoints(tmp_path)]
+    names = [p.name for p in R.complete_checkpoints(tmp_path)]
     assert names == ["step-00000006", "step-00000008"]
-    assert (C.checkpoints_dir(tmp_path) / C.LATEST).read_text().strip() == "step-00000008"
-    assert C.latest_checkpoint(tmp_path).name == "step-00000008"
-    assert C.read_meta(C.latest_checkpoint(tmp_path))["step"] == 8
+    assert (R.checkpoints_dir(tmp_path) / R.LATEST).read_text().strip() == "step-00000008"
+    assert R.latest_checkpoint(tmp_path).name == "step-00000008"
+    assert C.read_meta(R.latest_checkpoint(tmp_path))["step"] == 8
 
 
 def test_unfinished_and_broken_checkpoints_are_never_loaded(tmp_path):
     _write(tmp_path, 2)
-    root = C.checkpoints_dir(tmp_path)
+    root = R.checkpoints_dir(tmp_path)
     # a crash before the rename leaves a partial folder; after it, one without metadata
     partial = C.prepare(tmp_path, 4)
     (partial / "model.safetensors").write_bytes(b"half")
     (root / "step-00000006").mkdir()
     (root / "step-00000008").mkdir()
-    (root / "step-00000008" / C.META).write_text('{"step": 8, "torn')
-    assert C.latest_checkpoint(tmp_path).name == "step-00000002"
+    (root / "step-00000008" / R.META).write_text('{"step": 8, "torn')
+    assert R.latest_checkpoint(tmp_path).name == "step-00000002"
     # the next write removes the leftover partial folder
     _write(tmp_path, 10)
-    assert not partial.exists() and C.latest_checkpoint(tmp_path).name == "step-00000010"
+    assert not partial.exists() and R.latest_checkpoint(tmp_path).name == "step-00000010"
 
 
 def test_a_pointer_left_behind_by_a_crash_does_not_hide_the_newest(tmp_path, caplog):
     _write(tmp_path, 2)
     _write(tmp_path, 4)
-    (C.checkpoints_dir(tmp_path) / C.LATEST).write_text("step-00000002\n")
-    assert C.latest_checkpoint(tmp_path).name == "step-00000004"
+    (R.checkpoints_dir(tmp_path) / R.LATEST).write_text("step-00000002\n")
+    assert R.latest_checkpoint(tmp_path).name == "step-00000004"
     assert "pointer" in caplog.text
 
 
 def test_no_checkpoint_and_bad_arguments(tmp_path):
-    assert C.latest_checkpoint(tmp_path) is None
+    assert R.latest_checkpoint(tmp_path) is None
     with pytest.raises(ValueError, match="keep"):
         C.prune(tmp_path, 0)
     with pytest.raises(ValueError, match="step"):
-        C.checkpoint_name(-1)
+        R.checkpoint_name(-1)
     with pytest.raises(FileNotFoundError, match="incomplete"):
         C.read_meta(tmp_path)
 
@@ -212,8 +215,8 @@ def test_seek_continues_the_stream_exactly(tokenizer):
 
 def test_saved_position_reads_the_run_state(tmp_path):
     assert saved_position(tmp_path, 0) == 0
-    C.atomic_write_json(tmp_path / C.RUN_STATE, {"data_position": {"0": 12, "1": 3}})
+    F.atomic_write_json(tmp_path / R.RUN_STATE, {"data_position": {"0": 12, "1": 3}})
     assert saved_position(tmp_path, 0) == 12 and saved_position(tmp_path, 1) == 3
     assert saved_position(tmp_path, 2) == 0
-    (tmp_path / C.RUN_STATE).write_text("{torn")
+    (tmp_path / R.RUN_STATE).write_text("{torn")
     assert saved_position(tmp_path, 0) == 0

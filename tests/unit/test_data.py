@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from toolenv.data import DataError, Example, load_examples
+from toolenv.tasks.data import DataError, Example, load_examples
 
 DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 needs_data = pytest.mark.skipif(

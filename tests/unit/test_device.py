@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from arpo_async.config import config_from_dict
+from arpo_async.core.config import config_from_dict
 from learner.device import (
     attn_implementation,
     dist_backend,

@@ -1,4 +1,4 @@
-"""actors.entropy: hand values, agreement with the exact entropy, and the bounds that make
+"""arpo_async.core.entropy: hand values, agreement with the exact entropy, and the bounds that make
 the tail-corrected estimate trustworthy."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.entropy import entropy_from_logits, entropy_from_topk, window_entropy
+from arpo_async.core.entropy import entropy_from_logits, entropy_from_topk, window_entropy
 
 LN2 = math.log(2)
 

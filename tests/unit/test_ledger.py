@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from arpo_async.staleness import Admission, StalenessFilter
+from arpo_async.core.staleness import Admission, StalenessFilter
 from learner.ledger import ActorLedger, Ledger, peer_count
 
 

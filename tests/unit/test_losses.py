@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from arpo_async.config import LossConfig
+from arpo_async.core.config import LossConfig
 from learner.losses import LossInputs, LossSettings, policy_loss
 
 

@@ -1,4 +1,4 @@
-"""The process plan (arpo_async/plan.py): which roles, where, on which devices, with
+"""The process plan (arpo_async/launcher/plan.py): which roles, where, on which devices, with
 which commands; checked against the launchers that will parse those commands (torchrun,
 DeepSpeed's runner, our own ``launch actor``)."""
 
@@ -8,14 +8,19 @@ import shlex
 
 import pytest
 
-from arpo_async.config import SPINE_CONFIG, ConfigError, config_from_dict, load_config
-from arpo_async.plan import (
+from arpo_async.core.config import (
+    SPINE_CONFIG,
+    ConfigError,
+    config_from_dict,
+    load_config,
+    total_actors,
+)
+from arpo_async.launcher.plan import (
     actor_gpu_slices,
     check_placement,
     format_plan,
     parse_hostfile,
     plan,
-    total_actors,
 )
 
 CFG_PATH = "runs/t/config.yaml"
@@ -146,7 +151,7 @@ def test_multinode_world_size_must_match_the_hostfile(tmp_path):
 
 
 def test_remote_actors_follow_the_local_ids_and_get_launch_actor_commands(tmp_path):
-    from arpo_async.remote import _parser
+    from arpo_async.launcher.remote import _parser
 
     cfg = multinode(tmp_path)
     roles = plan(cfg, CFG_PATH)
@@ -191,6 +196,6 @@ def test_simulated_actors_share_processes_as_the_sim_engine_expects():
     cfg = cfg_of(actors={"num": 5, "engine": "simulated"}, sim={"actors_per_process": 2})
     roles = plan(cfg, CFG_PATH, python="PY")[1:]
     assert [r.name for r in roles] == ["actors0-1", "actors2-3", "actors4-4"]
-    assert roles[1].argv == ("PY", "-m", "actors.sim_engine", "--config", CFG_PATH,
+    assert roles[1].argv == ("PY", "-m", "actors.engines.sim_engine", "--config", CFG_PATH,
                              "--actor-ids", "2-3")
     assert [r.log for r in roles] == ["actors0-1.log", "actors2-3.log", "actors4-4.log"]

@@ -7,8 +7,8 @@ import subprocess
 
 import pytest
 
-from arpo_async.config import load_config
-from arpo_async.plan import check_placement, plan
+from arpo_async.core.config import load_config
+from arpo_async.launcher.plan import check_placement, plan
 from tests.conftest import PY, REPO, python_env
 
 PRESETS = sorted((REPO / "configs" / "presets").glob("*.yaml"))
@@ -118,8 +118,8 @@ def test_scale_out_doc_commands_parse_with_the_real_parsers(monkeypatch):
     monkeypatch.chdir(REPO)  # the preset names its hostfile relative to the repo
 
     from arpo_async.launch import _parser as launch_parser
-    from arpo_async.remote import HOST_LOCAL_KEYS
-    from arpo_async.remote import _parser as actor_parser
+    from arpo_async.launcher.remote import HOST_LOCAL_KEYS
+    from arpo_async.launcher.remote import _parser as actor_parser
 
     text = DOC.read_text()
     commands = [line for block in _code_blocks(text) for line in block.splitlines()

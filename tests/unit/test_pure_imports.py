@@ -16,12 +16,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Only stdlib, numpy and torch allowed: block the serving/training/transport stacks and
 # every other heavy third-party package a pure module might slip in.
-PURE = ["actors.entropy", "actors.branching", "learner.advantages", "learner.losses",
-        "arpo_async.staleness", "toolenv.tags"]
+PURE = ["arpo_async.core.entropy", "actors.branching", "learner.advantages", "learner.losses",
+        "arpo_async.core.staleness", "toolenv.tags"]
 PURE_BLOCKED = ["vllm", "deepspeed", "zmq", "transformers", "msgpack", "pydantic", "yaml",
                 "aiohttp", "diskcache", "safetensors"]
 # protocol may use msgpack (its wire format) but never the transport or engines.
-LIGHT = ["arpo_async.protocol"]
+LIGHT = ["arpo_async.core.protocol"]
 LIGHT_BLOCKED = ["vllm", "deepspeed", "zmq"]
 
 _SCRIPT = r"""
@@ -77,6 +77,6 @@ def test_protocol_imports_without_transport_or_engines():
 
 
 def test_the_blocker_really_blocks():
-    out = _run(["zmq", "actors.entropy"], ["zmq"])
+    out = _run(["zmq", "arpo_async.core.entropy"], ["zmq"])
     assert out["results"]["zmq"].startswith("ImportError: blocked")
-    assert out["results"]["actors.entropy"] == "ok"
+    assert out["results"]["arpo_async.core.entropy"] == "ok"

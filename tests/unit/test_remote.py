@@ -1,4 +1,4 @@
-"""Actors on other machines (arpo_async/remote.py): the config they get from the learner,
+"""Actors on other machines (arpo_async/launcher/remote.py): the config they get from the learner,
 what they may change locally, how ids are handed out, keys, and the restart loop."""
 
 from __future__ import annotations
@@ -10,16 +10,16 @@ import time
 import pytest
 import yaml
 
-from arpo_async import protocol as P
-from arpo_async.config import ConfigError, config_from_dict, save_config
-from arpo_async.remote import (
-    ConfigServer,
+from arpo_async.core import protocol as P
+from arpo_async.core.config import ConfigError, config_from_dict, save_config
+from arpo_async.launcher.remote import (
     check_local_paths,
     install_keys,
     local_config,
     parse_endpoint,
     run_child,
 )
+from learner.config_server import ConfigServer
 
 
 def learner_cfg(**extra):
@@ -105,7 +105,7 @@ def test_config_server_assigns_free_ids_above_the_local_actors():
 
 
 def test_install_keys_copies_the_client_pair_privately(tmp_path):
-    from arpo_async.keys import generate, load_client_keys
+    from arpo_async.core.keys import generate, load_client_keys
 
     learner_keys = generate(tmp_path / "learner")
     dst = install_keys(learner_keys, tmp_path / "actor")
@@ -125,7 +125,7 @@ def test_run_child_restarts_a_crashing_actor_then_gives_up(tmp_path):
 
 
 def test_saved_local_config_loads_back(tmp_path):
-    from arpo_async.config import load_config
+    from arpo_async.core.config import load_config
 
     cfg = local_config(learner_yaml(learner_cfg()), [], "node-a", 7002, str(tmp_path), 5)
     save_config(cfg, tmp_path / "config.yaml")

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from toolenv.data import Example
-from toolenv.rewards import Score, math_equal, qa_em, qa_f1, score_many, score_response
+from toolenv.tasks.data import Example
+from toolenv.tasks.rewards import Score, math_equal, qa_em, qa_f1, score_many, score_response
 
 MATH = Example(id="m:0", question="What is 1/2 as a decimal?", answers=["0.5"], kind="math")
 QA = Example(id="q:0", question="Who bid for Australia?", answers=["Frank Lowy"], kind="qa")

@@ -1,4 +1,4 @@
-"""arpo_async/sft.py batching: every trace once per epoch, and length-grouped batches
+"""arpo_async/jobs/sft.py batching: every trace once per epoch, and length-grouped batches
 that carry little padding."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from arpo_async.sft import _Batches
+from arpo_async.jobs.sft import _Batches
 
 
 @pytest.mark.parametrize("grouped", [False, True])

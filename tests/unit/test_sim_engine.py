@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from actors.engine import GenRequest
-from actors.entropy import entropy_from_topk, window_entropy
-from actors.sim_engine import EntropyTable, SimulatedEngine, load_vocab, parse_ids
-from arpo_async.config import SPINE_CONFIG, load_config
+from actors.engines.base import GenRequest
+from actors.engines.sim_engine import EntropyTable, SimulatedEngine, load_vocab, parse_ids
+from arpo_async.core.config import SPINE_CONFIG, load_config
+from arpo_async.core.entropy import entropy_from_topk, window_entropy
 from toolenv.tags import find_tool_call
 
 
@@ -201,13 +201,13 @@ def test_parse_ids():
 
 
 def test_launcher_groups_simulated_actors(tmp_path):
-    from arpo_async.supervisor import plan
+    from arpo_async.launcher.supervisor import plan
 
     cfg = load_config(SPINE_CONFIG, overrides=["actors.engine=simulated", "actors.num=5",
                                  "sim.actors_per_process=2", f"run.dir={tmp_path}"])
     roles = plan(cfg, tmp_path / "config.yaml")
     assert [r.name for r in roles] == ["learner", "actors0-1", "actors2-3", "actors4-4"]
-    assert roles[3].cmd[1:] == ["-m", "actors.sim_engine", "--config",
+    assert roles[3].cmd[1:] == ["-m", "actors.engines.sim_engine", "--config",
                                 str(tmp_path / "config.yaml"), "--actor-ids", "4-4"]
     cfg.actors.engine = "vllm"  # real engines: one process per actor, whatever sim says
     assert [r.name for r in plan(cfg, tmp_path / "c.yaml")][1:] == [f"actor{i}" for i in range(5)]

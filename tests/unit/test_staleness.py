@@ -1,4 +1,4 @@
-"""arpo_async.staleness: hand cases, and a deterministic simulation of actors and a
+"""arpo_async.core.staleness: hand cases, and a deterministic simulation of actors and a
 learner showing that the admission rule keeps every trained group within eta."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from arpo_async.staleness import Admission, StalenessFilter, group_lag
+from arpo_async.core.staleness import Admission, StalenessFilter, group_lag
 
 
 def test_group_lag():

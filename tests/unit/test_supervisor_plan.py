@@ -1,5 +1,5 @@
-"""The launcher starts what ``--dry-run`` prints: arpo_async/supervisor.py builds its
-processes from arpo_async/plan.py's local roles (commands, environment, logs), prints the
+"""The launcher starts what ``--dry-run`` prints: arpo_async/launcher/supervisor.py builds its
+processes from arpo_async/launcher/plan.py's local roles (commands, environment, logs), prints the
 remote ones, and rewrites the learner command for a restart with ``--resume``. No process
 is started here."""
 
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from arpo_async import supervisor
-from arpo_async.config import SPINE_CONFIG, config_from_dict, load_config
-from arpo_async.plan import RoleSpec
-from arpo_async.plan import plan as process_plan
+from arpo_async.core.config import SPINE_CONFIG, config_from_dict, load_config
+from arpo_async.launcher import supervisor
+from arpo_async.launcher.plan import RoleSpec
+from arpo_async.launcher.plan import plan as process_plan
 
 
 def _port_of(cmd: list[str]) -> int | None:
@@ -96,7 +96,7 @@ def test_remote_actors_are_printed_not_started(tmp_path, capsys):
 
 
 def test_launcher_refuses_what_the_plan_refuses(tmp_path):
-    from arpo_async.config import ConfigError
+    from arpo_async.core.config import ConfigError
 
     cfg = config_from_dict({"run": {"dir": str(tmp_path)}, "actors": {"num": 2},
                             "cluster": {"device": "cuda", "learner_gpus": [0],

@@ -13,19 +13,20 @@ from pathlib import Path
 
 import pytest
 
-from arpo_async import synthetic as syn
+from arpo_async.jobs import synthetic as syn
 from toolenv.tags import format_result, validate_format
+from toolenv.tasks import suite as gen
 
-SMALL = syn.SuiteSpec(seed=3, entities=240, sft=12, rl=9, heldout=9)
+SMALL = gen.SuiteSpec(seed=3, entities=240, sft=12, rl=9, heldout=9)
 
 
-def _facts_from_corpus(entities: list[syn.Entity]) -> dict[str, dict[str, int]]:
+def _facts_from_corpus(entities: list[gen.Entity]) -> dict[str, dict[str, int]]:
     """Facts read back from the documents' text (not from the generator's dicts)."""
     patterns = {"population": r"population is (\d+)", "founded": r"founding year is (\d+)",
                 "elevation": r"elevation in metres is (\d+)", "born": r"birth year .* is (\d+)",
                 "books": r"number of books .* is (\d+)"}
     out: dict[str, dict[str, int]] = {}
-    for row in syn.corpus_rows(entities):
+    for row in gen.corpus_rows(entities):
         title, text = row["contents"].split("\n", 1)
         facts = {a: int(m.group(1)) for a, p in patterns.items() if (m := re.search(p, text))}
         assert len(facts) == 1, text  # one fact per document
@@ -52,28 +53,28 @@ def _expected_answer(question: str, facts: dict[str, dict[str, int]]) -> str:
 
 
 def test_entities_are_deterministic_unique_and_split():
-    a, b = syn.make_entities(SMALL), syn.make_entities(SMALL)
+    a, b = gen.make_entities(SMALL), gen.make_entities(SMALL)
     assert a == b
-    assert a != syn.make_entities(dataclasses.replace(SMALL, seed=4))
+    assert a != gen.make_entities(dataclasses.replace(SMALL, seed=4))
     names = [e.name.lower() for e in a]
     assert len(set(names)) == len(names) == SMALL.entities
-    per_split = {s: sum(e.split == s for e in a) for s in syn.SPLITS}
+    per_split = {s: sum(e.split == s for e in a) for s in gen.SPLITS}
     assert per_split["sft"] > per_split["rl"] > 0 and per_split["heldout"] > 0
 
 
 def test_tasks_are_deterministic_and_independent_of_other_split_sizes():
-    for split in syn.SPLITS:
-        assert syn.make_tasks(SMALL, split) == syn.make_tasks(SMALL, split)
+    for split in gen.SPLITS:
+        assert gen.make_tasks(SMALL, split) == gen.make_tasks(SMALL, split)
     bigger_sft = dataclasses.replace(SMALL, sft=50)
-    assert syn.make_tasks(bigger_sft, "heldout") == syn.make_tasks(SMALL, "heldout")
-    assert syn.make_tasks(dataclasses.replace(SMALL, seed=9), "rl") != syn.make_tasks(SMALL, "rl")
-    kinds = [t.kind for t in syn.make_tasks(SMALL, "rl")]
-    assert kinds == list(syn.KINDS) * 3  # round-robin: every prefix is balanced
+    assert gen.make_tasks(bigger_sft, "heldout") == gen.make_tasks(SMALL, "heldout")
+    assert gen.make_tasks(dataclasses.replace(SMALL, seed=9), "rl") != gen.make_tasks(SMALL, "rl")
+    kinds = [t.kind for t in gen.make_tasks(SMALL, "rl")]
+    assert kinds == list(gen.KINDS) * 3  # round-robin: every prefix is balanced
 
 
 def test_splits_share_no_entity_and_no_operand_pair():
     spec = dataclasses.replace(SMALL, sft=120, rl=60, heldout=60)
-    tasks = {s: syn.make_tasks(spec, s) for s in syn.SPLITS}
+    tasks = {s: gen.make_tasks(spec, s) for s in gen.SPLITS}
     ents = {s: {name for t in ts for name, _ in t.found} for s, ts in tasks.items()}
     pairs = {s: {t.question for t in ts if t.kind == "arith"} for s, ts in tasks.items()}
     for s1, s2 in (("sft", "rl"), ("sft", "heldout"), ("rl", "heldout")):
@@ -83,14 +84,14 @@ def test_splits_share_no_entity_and_no_operand_pair():
         for t in ts:
             if t.kind == "arith":
                 a, op, b = re.fullmatch(r"What is (\d+) ([*+]) (\d+)\?", t.question).groups()
-                assert syn.pair_split(op, int(a), int(b)) == split
+                assert gen.pair_split(op, int(a), int(b)) == split
 
 
 def test_answers_match_the_corpus_text():
     spec = dataclasses.replace(SMALL, sft=60, rl=30, heldout=30)
-    facts = _facts_from_corpus(syn.make_entities(spec))
-    for split in syn.SPLITS:
-        for t in syn.make_tasks(spec, split):
+    facts = _facts_from_corpus(gen.make_entities(spec))
+    for split in gen.SPLITS:
+        for t in gen.make_tasks(spec, split):
             assert t.answer == _expected_answer(t.question, facts), t
             if t.kind != "arith":  # the search queries copy a span of the question
                 for tool, args in t.calls:
@@ -98,33 +99,33 @@ def test_answers_match_the_corpus_text():
 
 
 def test_rows_load_as_examples_and_match_the_prompt_source(tmp_path):
-    from arpo_async.config import config_from_dict
-    from arpo_async.tasks import PromptSource
-    from toolenv.data import load_examples
+    from arpo_async.core.config import config_from_dict
+    from toolenv.tasks.data import load_examples
+    from toolenv.tasks.prompts import PromptSource
 
-    tasks = syn.make_tasks(SMALL, "rl")
+    tasks = gen.make_tasks(SMALL, "rl")
     path = tmp_path / "rl.jsonl"
     path.write_text("".join(json.dumps(t.row()) + "\n" for t in tasks))
     examples = load_examples(path)
     assert [e.question for e in examples] == [t.question for t in tasks]
     assert [e.answers for e in examples] == [[t.answer] for t in tasks]
     assert {e.kind for e in examples} == {"math"}
-    assert {e.system_prompt for e in examples} == {syn.SYSTEM_PROMPT}
+    assert {e.system_prompt for e in examples} == {gen.SYSTEM_PROMPT}
 
     # task.name=synthetic_tools gives rl.jsonl of the default-size suite with that seed.
     cfg = config_from_dict({"task": {"name": "synthetic_tools", "seed": 3, "num_prompts": 9}})
     source = PromptSource(cfg, tokenizer=None)
-    default_rl = syn.make_tasks(syn.SuiteSpec(seed=3, rl=9), "rl")
+    default_rl = gen.make_tasks(gen.SuiteSpec(seed=3, rl=9), "rl")
     assert [(p.id, p.question, p.answers, p.system_prompt) for p in source.items] == \
-        [(t.id, t.question, [t.answer], syn.SYSTEM_PROMPT) for t in default_rl]
+        [(t.id, t.question, [t.answer], gen.SYSTEM_PROMPT) for t in default_rl]
 
 
 def test_corpus_rows_are_retriever_documents(tmp_path):
     from toolenv.retriever_server import load_corpus
 
     path = tmp_path / "corpus.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in syn.corpus_rows(
-        syn.make_entities(SMALL))))
+    path.write_text("".join(json.dumps(r) + "\n" for r in gen.corpus_rows(
+        gen.make_entities(SMALL))))
     docs = load_corpus(path)
     n_city = 2 * SMALL.entities // 3
     assert len(docs) == 3 * n_city + 2 * (SMALL.entities - n_city)  # one per fact
@@ -153,11 +154,11 @@ def test_write_suite_is_byte_identical_for_the_same_seed(suite, tmp_path):
 
 @pytest.mark.integration
 def test_traces_are_well_formed_and_score_full_marks(suite):
-    from toolenv.data import Example
-    from toolenv.rewards import TWO_TOOL_BONUS, score_response
+    from toolenv.tasks.data import Example
+    from toolenv.tasks.rewards import TWO_TOOL_BONUS, score_response
 
     traces = syn.read_jsonl(suite / "sft.jsonl")
-    assert {t["kind"] for t in traces} == set(syn.KINDS)
+    assert {t["kind"] for t in traces} == set(gen.KINDS)
     for t in traces:
         assert t["response"] == "".join(s["text"] for s in t["segments"])
         assert validate_format(t["response"]) == (True, "ok"), t["id"]
@@ -204,13 +205,13 @@ def test_every_tool_output_equals_the_live_tools(suite):
 def test_direct_traces_answer_from_memory_without_a_tool():
     """``SuiteSpec.direct``: the demonstrator skips the tools; such a trace is well formed
     and right (on its own entity), with no tool segment and so no two-tool bonus."""
-    from toolenv.data import Example
-    from toolenv.rewards import score_response
+    from toolenv.tasks.data import Example
+    from toolenv.tasks.rewards import score_response
 
-    for task in syn.make_tasks(SMALL, "sft", 3):  # one of each kind
+    for task in gen.make_tasks(SMALL, "sft", 3):  # one of each kind
         t = asyncio.run(syn.build_trace(task, tools=None, direct=True))
         assert [s["role"] for s in t["segments"]] == ["model"] and t["direct"]
-        assert t["response"].startswith(f"<think>{syn.THINK_DIRECT}</think>")
+        assert t["response"].startswith(f"<think>{gen.THINK_DIRECT}</think>")
         assert validate_format(t["response"]) == (True, "ok"), t["id"]
         score = score_response(t["response"], Example(t["id"], t["question"], t["answers"], "math"))
         assert score.reward == pytest.approx(1.0), (t["id"], score)

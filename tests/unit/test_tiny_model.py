@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from arpo_async.config import ModelConfig
-from arpo_async.tiny_model import (
+from arpo_async.core.config import ModelConfig
+from arpo_async.jobs.tiny_model import (
     ARPO_TAGS,
     SPECIAL_TOKENS,
     build_tiny_model,
@@ -140,7 +140,7 @@ def test_ensure_model_rules(tmp_path, built, monkeypatch):
 
 def test_cli_builds_a_loadable_folder(tmp_path):
     out = tmp_path / "cli"
-    cmd = [sys.executable, "-m", "arpo_async.tiny_model", str(out), "--hidden", "64",
+    cmd = [sys.executable, "-m", "arpo_async.jobs.tiny_model", str(out), "--hidden", "64",
            "--layers", "1", "--heads", "2", "--kv-heads", "1", "--vocab", "600", "--seed", "2"]
     proc = subprocess.run(cmd, check=False, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -7,8 +7,9 @@ import time
 
 import pytest
 
-from toolenv.base import ToolResult, ToolRunner, build_tools
+from toolenv.base import ToolResult
 from toolenv.cache import ToolCache
+from toolenv.runner import ToolRunner, build_tools
 
 
 class FakeTool:
@@ -207,7 +208,7 @@ def test_bad_limits_rejected():
 
 
 def test_build_tools(tmp_path):
-    from arpo_async.config import ToolsConfig
+    from arpo_async.core.config import ToolsConfig
 
     runner = build_tools(ToolsConfig(enabled=[]), tmp_path)
     assert runner.tools == {} and (tmp_path / "tool_cache" / "cache.db").is_file()

@@ -16,11 +16,11 @@ from actors.weight_sync import (
     ZmqWeights,
     build_weight_sync,
     init_info_from,
-    machine_id,
     update_info_from,
 )
-from arpo_async import protocol as P
-from arpo_async.config import config_from_dict
+from arpo_async.core import protocol as P
+from arpo_async.core.config import config_from_dict
+from arpo_async.core.host import machine_id
 from learner.weight_sync import NcclWeightServer, plan_chunks, weight_header
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
@@ -73,16 +72,14 @@ class PromptSource:
             return [Prompt(f"arith-{i}", f"What is {x} + {y}?", [str(x + y)], "arith",
                            system_prompt=ARITH_SYSTEM) for i, (x, y) in enumerate(zip(a, b))]
         if task.name == "file":
-            from toolenv.data import load_examples
+            from toolenv.tasks.data import load_examples
 
             return [Prompt(e.id, e.question, list(e.answers), e.kind,
                            system_prompt=e.system_prompt, meta=e.meta)
                     for e in load_examples(task.data, on_bad_row=task.on_bad_row)]
         if task.name == "synthetic_tools":
-            from arpo_async.synthetic import rl_prompts
-
-            # The same items as rl.jsonl of `python -m arpo_async.synthetic` with this seed.
-            return rl_prompts(task.seed, task.num_prompts)
+            # The same items as rl.jsonl of `python -m arpo_async.jobs.synthetic` with this seed.
+            return synthetic_prompts(task.seed, task.num_prompts)
         raise ValueError(f"task.name: {task.name!r} is not available yet")
 
     def encode(self, prompt: Prompt) -> Prompt:
@@ -133,26 +130,19 @@ class PromptSource:
         if prompt.kind == "arith":
             s = arith_score(response, prompt.answers)
             return s, s
-        from toolenv.data import Example
-        from toolenv.rewards import score_response
+        from toolenv.tasks.data import Example
+        from toolenv.tasks.rewards import score_response
 
         ex = Example(prompt.id, prompt.question, prompt.answers, prompt.kind)
         result = score_response(response, ex)
         return result.reward, result.correct
 
 
-def saved_position(run_dir: str | Path, stream: int) -> int:
-    """Where stream ``stream`` (an actor id) should continue: the data position the
-    learner last recorded for it in ``RUN_DIR/state.json`` (the earliest prompt the actor
-    had not yet delivered, from its heartbeats), or 0 for a new run.
+def synthetic_prompts(seed: int, n: int) -> list[Prompt]:
+    """The RL split as ``toolenv.tasks.prompts.Prompt``s (task.name=synthetic_tools); the same
+    items as rl.jsonl written with this seed and --rl n (and the default entity count)."""
+    from toolenv.tasks.suite import SYSTEM_PROMPT, SuiteSpec, make_tasks
 
-    A restarted actor therefore draws again the prompts it had in flight when it died
-    (none skipped; a few delivered ones may repeat)."""
-    import json
-
-    path = Path(run_dir) / "state.json"
-    try:
-        value = json.loads(path.read_text()).get("data_position", {}).get(str(stream), 0)
-    except (OSError, ValueError, AttributeError):
-        return 0
-    return int(value) if isinstance(value, (int, float)) and value >= 0 else 0
+    tasks = make_tasks(SuiteSpec(seed=seed, rl=n), "rl")
+    return [Prompt(t.id, t.question, [t.answer], "math", system_prompt=SYSTEM_PROMPT,
+                   meta={"task": t.kind}) for t in tasks]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 
-from arpo_async.metrics import read_metrics
+from arpo_async.core.metrics import read_metrics
 
 
 class Progress:

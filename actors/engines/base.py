@@ -1,6 +1,6 @@
-"""The generation-engine interface every actor talks to, and the factory that picks one.
+"""The generation-engine interface every actor talks to.
 
-Engines are wired by config (``actors.engine``): vLLM (default; the async engine, so many
+Engines are wired by config (``actors.engine``, the factory in actors/engines/__init__.py): vLLM (default; the async engine, so many
 rollouts share one batch), transformers (machines without vLLM), or a simulated engine
 (throughput experiments). Token in, token out: a request is a list of token ids and the
 result is the sampled ids with their behaviour log-probs, so nothing is re-tokenised.
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 if TYPE_CHECKING:
-    from arpo_async.config import Config
+    pass
 
 
 @dataclass
@@ -167,41 +167,3 @@ def torch_state_dict(tensors: Mapping[str, Any], dtype: Any,
             raise ValueError(f"weights[{name!r}]: dtype {t.dtype} is not a floating-point weight")
         out[name] = t.to(dtype).contiguous()
     return out
-
-
-async def build_engine(
-    cfg: Config, model_path: str, actor_id: int = 0, version: int = 0
-) -> GenerationEngine:
-    """The engine ``cfg.actors.engine`` names, for actor ``actor_id``, loaded from
-    ``model_path`` (already resolved by ``tiny_model.ensure_model``). Its sampling seed
-    is ``run.seed + actor_id`` so actors draw different samples."""
-    seed = cfg.run.seed + actor_id
-    kind = cfg.actors.engine
-    if kind == "vllm":
-        from actors.vllm_engine import VLLMEngine, cpu_bind_for
-
-        return await VLLMEngine.create(
-            model_path, dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
-            kv_cache_gib=cfg.actors.kv_cache_gib, seed=seed,
-            max_logprobs=max(20, cfg.sampling.logprobs_topk),
-            # CUDA graphs only on GPU: the CPU backend runs eager
-            enforce_eager=cfg.cluster.device == "cpu" or not cfg.actors.cuda_graphs,
-            cpu_threads=cfg.actors.threads,
-            cpu_bind=cpu_bind_for(actor_id, cfg.actors.threads),
-            gpu_memory_utilization=cfg.actors.gpu_memory_utilization,
-            tensor_parallel=cfg.actors.tensor_parallel,
-            enable_prefix_caching=cfg.actors.enable_prefix_caching, version=version,
-            weight_transfer="nccl" if cfg.learner.weight_sync == "nccl" else None,
-        )
-    if kind == "transformers":
-        from actors.hf_engine import HFEngine
-
-        return await HFEngine.create(
-            model_path, dtype=cfg.model.dtype, seed=seed, threads=cfg.actors.threads,
-            version=version, max_model_len=cfg.model.max_model_len,
-        )
-    if kind == "simulated":
-        from actors.sim_engine import SimulatedEngine
-
-        return await SimulatedEngine.create(cfg, model_path, seed=seed, version=version)
-    raise ValueError(f"actors.engine: unknown engine {kind!r}")

@@ -6,7 +6,7 @@ nothing, so GPU and multi-machine configs can be checked on a laptop
 (``python -m arpo_async.launch --config F --dry-run`` prints it). The launcher turns the
 local roles into processes; remote roles are printed as the commands to run on their
 machines (``python -m arpo_async.launch actor --connect tcp://HOST:PORT``, see
-arpo_async/remote.py and docs/scale-out.md).
+arpo_async/launcher/remote.py and docs/scale-out.md).
 
 Layout rules, checked here with errors that name the key:
 - the learner runs ``learner.world_size`` ranks: one process on this machine, torchrun
@@ -26,7 +26,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from arpo_async.config import Config, ConfigError
+from arpo_async.core.config import Config, ConfigError, total_actors
+from arpo_async.core.host import is_loopback
 
 _WILDCARDS = ("0.0.0.0", "*", "::", "")
 _HOSTFILE_LINE = re.compile(r"^(\S+)\s+slots=(\d+)")  # DeepSpeed's own grammar
@@ -53,16 +54,6 @@ class RoleSpec:
         """One shell line: the environment, then the command."""
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
         return (env + " " if env else "") + shlex.join(self.argv)
-
-
-def total_actors(cfg: Config) -> int:
-    """Local and remote actors together (what the learner waits for at start)."""
-    return cfg.actors.num + sum(r.actors for r in cfg.cluster.remote_actors)
-
-
-def is_loopback(host: str) -> bool:
-    host = host.strip().strip("[]").lower()
-    return host == "localhost" or host == "::1" or host.startswith("127.")
 
 
 # ----------------------------------------------------------------------------- learner
@@ -189,13 +180,13 @@ def _actor_roles(cfg: Config, config_path: str, python: str) -> list[RoleSpec]:
             "OMP_NUM_THREADS": str(cfg.actors.threads)}
     n = cfg.actors.num
     per = cfg.sim.actors_per_process if cfg.actors.engine == "simulated" else 1
-    if per > 1:  # simulated actors share processes (actors/sim_engine.py); no GPU
+    if per > 1:  # simulated actors share processes (actors/engines/sim_engine.py); no GPU
         roles = []
         for first in range(0, n, per):
             ids = f"{first}-{min(first + per, n) - 1}"
             roles.append(RoleSpec(
                 f"actors{ids}", "actor", "localhost", "cpu",
-                (python, "-m", "actors.sim_engine", "--config", config_path, "--actor-ids", ids),
+                (python, "-m", "actors.engines.sim_engine", "--config", config_path, "--actor-ids", ids),
                 dict(base), actor_id=first, weights="zmq", log=f"actors{ids}.log"))
         return roles + _remote_roles(cfg)
     slices = actor_gpu_slices(cl.actor_gpus, n, tp, "cluster.actor_gpus") if cuda else [[]] * n
@@ -274,7 +265,7 @@ def check_placement(cfg: Config) -> list[str]:
                      "others (decided at run time by machine identity)")
     if not is_loopback(t.host) and not t.insecure:
         notes.append(f"transport.host={t.host} is not loopback: create CurveZMQ keys before "
-                     f"launching (python -m arpo_async.keys {cfg.run.dir}) and copy "
+                     f"launching (python -m arpo_async.core.keys {cfg.run.dir}) and copy "
                      "keys/client.key_secret and keys/server.key to every actor machine")
     if cl.remote_actors:
         notes.append("start the remote actors after the learner; the learner waits "
@@ -344,7 +335,7 @@ def format_plan(cfg: Config, roles: list[RoleSpec], notes: list[str]) -> str:
 
 def dry_run(args) -> int:
     """``launch --dry-run``: validate, print the plan, start nothing."""
-    from arpo_async.config import load_config
+    from arpo_async.core.config import load_config
 
     if getattr(args, "resume", None):
         cfg = load_config(Path(args.resume) / "config.yaml", args.overrides)

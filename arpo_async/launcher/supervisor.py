@@ -1,7 +1,7 @@
 """Process supervision for ``arpo_async.launch``: resolve the config, start the roles,
 watch them, restart what died, stop everything cleanly, write the summary.
 
-The roles are those of arpo_async/plan.py, the plan ``--dry-run`` prints: the launcher
+The roles are those of arpo_async/launcher/plan.py, the plan ``--dry-run`` prints: the launcher
 starts the local ones and prints the commands of the remote actors (started by hand on
 their machines, docs/scale-out.md).
 
@@ -27,9 +27,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from arpo_async.config import Config, ConfigError, load_config, save_config
-from arpo_async.plan import RoleSpec
-from arpo_async.plan import plan as process_plan
+from arpo_async.core.config import Config, ConfigError, load_config, save_config
+from arpo_async.launcher.plan import RoleSpec
+from arpo_async.launcher.plan import plan as process_plan
 
 
 def _free_port(host: str) -> int:
@@ -51,7 +51,7 @@ def resolve(args) -> Config:
         cfg.run.quiet = True
     _check_security(cfg)
     if not getattr(args, "dry_run", False):  # callers that only need the ports skip the model
-        from arpo_async.tiny_model import ensure_model
+        from arpo_async.jobs.tiny_model import ensure_model
 
         try:
             cfg.model.path = str(ensure_model(cfg.model.path, cfg.model))
@@ -68,7 +68,8 @@ def resolve(args) -> Config:
 def _check_security(cfg: Config) -> None:
     """A non-loopback bind needs CurveZMQ keys in RUN_DIR/keys, or transport.insecure
     (then a warning says what is exposed)."""
-    from arpo_async.keys import SecurityError, is_loopback, keys_dir, require_security
+    from arpo_async.core.host import is_loopback
+    from arpo_async.core.keys import SecurityError, keys_dir, require_security
 
     host = cfg.transport.host
     try:
@@ -161,7 +162,7 @@ def _cmdline(pid: int) -> list[str]:
 
 def _adopt(roles: list[Role], run_dir: Path, events: Events) -> None:
     """--resume: take over the roles of processes.json that still run the same command."""
-    from learner.checkpoint import read_json
+    from arpo_async.core.files import read_json
 
     pids = read_json(run_dir / "processes.json") or {}
     for role in roles:
@@ -188,7 +189,7 @@ class Events:
         self.path = run_dir / "events.jsonl"
 
     def log(self, event: str, role: str, **fields) -> None:
-        from arpo_async.metrics import append_jsonl
+        from arpo_async.core.metrics import append_jsonl
 
         append_jsonl(self.path, {"time": time.time(), "event": event, "role": role, **fields})
 
@@ -209,7 +210,7 @@ def to_roles(cfg: Config, specs: list[RoleSpec]) -> list[Role]:
 
 
 def plan(cfg: Config, config_path: Path) -> list[Role]:
-    """What this launcher starts: arpo_async/plan.py's local roles, learner first, so a
+    """What this launcher starts: arpo_async/launcher/plan.py's local roles, learner first, so a
     real run starts exactly what ``--dry-run`` prints (with a free rendezvous port when
     ``cluster.master_port`` is 0)."""
     return to_roles(cfg, process_plan(cfg, config_path, master_port=_master_port(cfg)))
@@ -252,11 +253,11 @@ def launch(args) -> int:
         _adopt(roles, run_dir, events)
     save_config(cfg, config_path)
     if cfg.cluster.device == "cpu":  # GPU learners use DeepSpeed's CUDA ops instead
-        from arpo_async.dsops import prebuild_deepspeed_ops
+        from arpo_async.core.dsops import prebuild_deepspeed_ops
 
         prebuild_deepspeed_ops()
     _print_remote(specs)
-    from arpo_async.progress import Progress
+    from arpo_async.launcher.progress import Progress
 
     progress = Progress(cfg)
     t0 = time.time()
@@ -285,7 +286,7 @@ def launch(args) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     summary = _summary(cfg, roles, status, reason, time.time() - t0)
-    from learner.checkpoint import atomic_write_bytes
+    from arpo_async.core.files import atomic_write_bytes
 
     atomic_write_bytes(run_dir / "summary.json", json.dumps(summary, indent=1).encode())
     progress.final(summary)
@@ -337,7 +338,7 @@ def _watch(cfg: Config, roles: list[Role], progress, run_dir: Path,
             _signal_group(learner.proc, signal.SIGKILL)  # torchrun ranks left behind
             learner.cmd = _with_resume(learner.cmd, cfg.cluster.master_port)
             due[learner.name] = now + _backoff(cfg.actors.restart_backoff_s, learner.restarts)
-            from learner.checkpoint import latest_checkpoint
+            from arpo_async.core.rundir import latest_checkpoint
 
             ckpt = latest_checkpoint(run_dir)
             progress.note(f"learner exited with code {code}; restart {learner.restarts} "
@@ -384,7 +385,7 @@ def _write_processes(run_dir: Path, roles: list[Role]) -> None:
 
 
 def _summary(cfg: Config, roles: list[Role], status: str, reason: str, wall: float) -> dict:
-    from arpo_async.metrics import read_metrics
+    from arpo_async.core.metrics import read_metrics
 
     run_dir = Path(cfg.run.dir)
     rows = read_metrics(run_dir)

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 from toolenv.tags import extract_answer, tools_used, validate_format
 
 if TYPE_CHECKING:
-    from toolenv.data import Example
+    from toolenv.tasks.data import Example
 
 TWO_TOOL_BONUS = 0.1  # ARPO: reward for a right answer that used both tools
 MALFORMED_REWARD = -1.0

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "default.yaml"  # the whole job (pipeline): SFT, ARPO, eval
 SPINE_CONFIG = CONFIG_DIR / "spine.yaml"  # the RL stage alone, small: tests and benchmarks
 
@@ -257,7 +257,7 @@ class RemoteActorsConfig(_Section):
 
 
 class ClusterConfig(_Section):
-    """Placement: which device, which GPUs, which machines (``arpo_async/plan.py``)."""
+    """Placement: which device, which GPUs, which machines (``arpo_async/launcher/plan.py``)."""
 
     device: Literal["cpu", "cuda"] = Field("cpu", description="where learner and actors compute")
     learner_gpus: list[int] = Field(
@@ -285,7 +285,7 @@ class PipelineConfig(_Section):
     enabled: bool = Field(
         False, description="run the whole job around RL: build the synthetic suite and the "
         "model, cold-start SFT, evaluate on held-out prompts before and after RL "
-        "(arpo_async/pipeline.py); off: the RL stage alone on model.path")
+        "(arpo_async/jobs/pipeline.py); off: the RL stage alone on model.path")
     data_dir: str = Field("data/synthetic", description="synthetic suite folder (built from "
                           "task.seed when missing, reused after)")
     suite_entities: int = Field(600, ge=10, description="invented cities and writers")
@@ -414,3 +414,8 @@ def describe(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
             default = field.default_factory() if field.default_factory else field.default
             lines.append(f"  {prefix}{name} = {default!r}: {field.description}")
     return lines
+
+
+def total_actors(cfg: Config) -> int:
+    """Local and remote actors together (what the learner waits for at start)."""
+    return cfg.actors.num + sum(r.actors for r in cfg.cluster.remote_actors)

@@ -21,7 +21,7 @@ from typing import Any
 
 import aiohttp
 
-from actors.engine import GenRequest, GenResult
+from actors.engines.base import GenRequest, GenResult
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ learner's ``RUN_DIR/keys``: ``client.key_secret`` and ``server.key``), and runs
 ``actors.max_restarts`` times, as the launcher does for local actors. It exits 0 when the
 learner ends the run.
 
-``ConfigServer`` is the learner's side of the exchange.
+``learner.config_server.ConfigServer`` is the learner's side of the exchange.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("arpo_async.remote")
+log = logging.getLogger("arpo_async.launcher.remote")
 
 HOST_LOCAL_KEYS = (
     "model.path", "task.data", "tools.cache_dir", "tools.retriever_url", "actors.threads",
@@ -43,46 +43,6 @@ HOST_LOCAL_KEYS = (
     "transport.connect_timeout_s",
 )
 _CLIENT_FILES = ("client.key_secret", "server.key")
-
-
-# ----------------------------------------------------------------------------- learner side
-
-
-class ConfigServer:
-    """Answers ``ConfigRequest`` on the learner: the resolved config and an actor id.
-
-    An explicit id that an actor on another machine is using now (heard from within
-    ``silent_s``) is refused, so two machines never report under one ledger entry.
-    """
-
-    def __init__(self, cfg, silent_s: float | None = None):
-        import yaml
-
-        self.config_yaml = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
-        self.first_id = cfg.actors.num  # local actors are 0..num-1
-        self.silent_s = silent_s or float(getattr(cfg.learner, "actor_silent_s", 30.0))
-        self.owners: dict[int, str] = {}  # actor id -> host that asked for it
-
-    def handle(self, msg, last_seen: dict[int, float], now: float | None = None):
-        """``last_seen``: actor id -> time.time() of its last message (the ledger)."""
-        from arpo_async import protocol as P
-
-        now = time.time() if now is None else now
-        if msg.actor_id < 0:
-            taken = set(last_seen) | set(self.owners)
-            actor_id = self.first_id
-            while actor_id in taken:
-                actor_id += 1
-        else:
-            actor_id = msg.actor_id
-            owner = self.owners.get(actor_id, "the launcher" if actor_id < self.first_id else "")
-            alive = now - last_seen.get(actor_id, float("-inf")) < self.silent_s
-            if alive and owner and owner != msg.host:
-                return P.Ack(ok=False, reason=f"actor id {actor_id} is in use by {owner}; "
-                                              "pick another --actor-id or omit it")
-        self.owners[actor_id] = msg.host
-        log.info("config sent to %s (pid %d) as actor %d", msg.host, msg.pid, actor_id)
-        return P.ConfigReply(config_yaml=self.config_yaml, actor_id=actor_id)
 
 
 # ----------------------------------------------------------------------------- actor side
@@ -104,7 +64,7 @@ def local_config(learner_yaml: str, overrides: list[str], connect_host: str, con
     folder, the learner reached at ``connect_host``. Raises ConfigError naming the key."""
     import yaml
 
-    from arpo_async.config import ConfigError, _set_dotted, config_from_dict
+    from arpo_async.core.config import ConfigError, _set_dotted, config_from_dict
 
     tree = yaml.safe_load(learner_yaml)
     if not isinstance(tree, dict):
@@ -130,7 +90,7 @@ def local_config(learner_yaml: str, overrides: list[str], connect_host: str, con
 
 def check_local_paths(cfg) -> list[str]:
     """Errors for files this machine must have; returns warnings."""
-    from arpo_async.config import ConfigError
+    from arpo_async.core.config import ConfigError
 
     model = cfg.model.path
     hub_like = model.count("/") == 1 and not model.startswith((".", "/", "~"))
@@ -163,8 +123,8 @@ def install_keys(src: str | Path, run_dir: str | Path) -> Path:
 async def fetch_config(endpoint: str, keys: Any, actor_id: int, wait_s: float,
                        max_bytes: int = 16 * 2**20) -> tuple[str, int]:
     """Ask the learner until it answers or ``wait_s`` passes (it may still be starting)."""
-    from arpo_async import protocol as P
-    from arpo_async.transport import ControlClient, TransportTimeout
+    from arpo_async.core import protocol as P
+    from arpo_async.core.transport import ControlClient, TransportTimeout
 
     client = ControlClient(endpoint, timeout_s=5.0, curve=keys, max_bytes=max_bytes)
     deadline = time.monotonic() + wait_s
@@ -256,8 +216,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s remote-actor %(message)s")
-    from arpo_async.config import ConfigError, save_config
-    from arpo_async.keys import load_client_keys
+    from arpo_async.core.config import ConfigError, save_config
+    from arpo_async.core.keys import load_client_keys
 
     try:
         host, port = parse_endpoint(args.connect)

@@ -17,7 +17,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from actors.engine import GenRequest, GenResult, WeightGate, check_weight_names, torch_state_dict
+from actors.engines.base import (
+    GenRequest,
+    GenResult,
+    WeightGate,
+    check_weight_names,
+    torch_state_dict,
+)
 
 GREEDY_EPS = 1e-5  # temperatures below this decode greedily (vLLM's _SAMPLING_EPS)
 

@@ -33,7 +33,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from actors.engine import GenRequest, GenResult, WeightGate, check_weight_names, torch_state_dict
+from actors.engines.base import (
+    GenRequest,
+    GenResult,
+    WeightGate,
+    check_weight_names,
+    torch_state_dict,
+)
 
 logger = logging.getLogger(__name__)
 

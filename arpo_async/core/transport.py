@@ -31,14 +31,14 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from arpo_async.keys import (
+from arpo_async.core.keys import (
     ClientKeys,
     ServerKeys,
     configure_client,
     configure_server,
     start_authenticator,
 )
-from arpo_async.protocol import (
+from arpo_async.core.protocol import (
     DEFAULT_MAX_BYTES,
     Ack,
     Hello,

@@ -8,7 +8,7 @@ Stages and what each leaves in the run folder::
     model     model.path (the local tiny model, built when missing)
     sft       RUN_DIR/sft/                 Hugging Face checkpoint after cold-start SFT
     eval_sft  RUN_DIR/eval/sft/            summary.json + items.jsonl on the held-out split
-    rl        RUN_DIR/checkpoints/, metrics.jsonl, ...  (arpo_async/supervisor.py)
+    rl        RUN_DIR/checkpoints/, metrics.jsonl, ...  (arpo_async/launcher/supervisor.py)
     eval_rl   RUN_DIR/eval/rl/             the same evaluation of the newest RL checkpoint
     report    RUN_DIR/summary.json, RUN_DIR/plots/*.png
 
@@ -28,7 +28,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from arpo_async.config import Config, ConfigError, load_config, save_config
+from arpo_async.core.config import Config, ConfigError, load_config, save_config
 
 STATE = "pipeline.json"
 USER_CONFIG = "pipeline_config.yaml"  # the config as given, before stage overrides
@@ -55,7 +55,7 @@ class StageLog:
 
     def save(self) -> None:
         """Rewrite the file atomically, stages in the order they ran."""
-        from learner.checkpoint import atomic_write_bytes
+        from arpo_async.core.files import atomic_write_bytes
 
         atomic_write_bytes(self.path, json.dumps(self.state, indent=1).encode())
 
@@ -76,7 +76,7 @@ class StageLog:
 
 
 def build_data(cfg: Config) -> dict:
-    from arpo_async.synthetic import SuiteSpec, write_suite
+    from arpo_async.jobs.synthetic import SuiteSpec, write_suite
 
     p = cfg.pipeline
     out = Path(p.data_dir)
@@ -98,7 +98,7 @@ def build_data(cfg: Config) -> dict:
 
 
 def build_model(cfg: Config) -> dict:
-    from arpo_async.tiny_model import ensure_model
+    from arpo_async.jobs.tiny_model import ensure_model
 
     try:
         return {"path": str(ensure_model(cfg.model.path, cfg.model))}
@@ -107,7 +107,7 @@ def build_model(cfg: Config) -> dict:
 
 
 def cold_start_sft(cfg: Config, model_path: str, out: Path) -> dict:
-    from arpo_async.sft import run_sft
+    from arpo_async.jobs.sft import run_sft
 
     p = cfg.pipeline
     res = run_sft(model_path, Path(p.data_dir) / "sft.jsonl", out,
@@ -118,7 +118,7 @@ def cold_start_sft(cfg: Config, model_path: str, out: Path) -> dict:
 
 
 def run_eval(cfg: Config, model_path: str, retriever_url: str, out: Path) -> dict:
-    from arpo_async.evaluate import evaluate
+    from arpo_async.jobs.evaluate import evaluate
 
     p = cfg.pipeline
     ecfg = cfg.model_copy(deep=True)
@@ -132,8 +132,8 @@ def run_eval(cfg: Config, model_path: str, retriever_url: str, out: Path) -> dic
 
 
 def run_rl(cfg: Config, run_dir: Path, sft_path: str, retriever_url: str, quiet: bool) -> dict:
-    from arpo_async.supervisor import launch
-    from learner.checkpoint import latest_checkpoint
+    from arpo_async.core.rundir import latest_checkpoint
+    from arpo_async.launcher.supervisor import launch
 
     started = (run_dir / "config.yaml").exists()
     args = argparse.Namespace(config=None, resume=str(run_dir) if started else None,
@@ -157,7 +157,7 @@ def run_rl(cfg: Config, run_dir: Path, sft_path: str, retriever_url: str, quiet:
 
 def rl_figures(run_dir: Path) -> dict:
     """Throughput, staleness and tool figures of the RL stage, from metrics.jsonl."""
-    from arpo_async.metrics import read_metrics
+    from arpo_async.core.metrics import read_metrics
 
     rows = read_metrics(run_dir)
     if not rows:
@@ -232,8 +232,8 @@ def run(args) -> int:
 
 def write_summary(run_dir: Path, stages: StageLog, before: dict, rl: dict, after: dict) -> dict:
     """RUN_DIR/summary.json: the RL run's own summary plus the pipeline's figures."""
-    from arpo_async.plots import write_plots
-    from learner.checkpoint import atomic_write_bytes
+    from arpo_async.core.files import atomic_write_bytes
+    from arpo_async.jobs.plots import write_plots
 
     path = run_dir / "summary.json"
     rl_summary = json.loads(path.read_text()) if path.exists() else {}

@@ -17,7 +17,7 @@ Token distribution: token ranks follow p_i proportional to exp(-s i) over the V 
 truncated geometric law), s chosen per token so that the normalised entropy is the target;
 the top-k log-probs are the k best ranks and the sampled rank is drawn by inverse CDF.
 
-``python -m actors.sim_engine --config RUN_DIR/config.yaml --actor-ids 0-63`` runs many
+``python -m actors.engines.sim_engine --config RUN_DIR/config.yaml --actor-ids 0-63`` runs many
 simulated actors in one process, each an asyncio task with its own engine, sockets and
 actor id (the launcher does this when ``sim.actors_per_process`` > 1): 64 processes that
 each import torch would not fit a small machine.
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from actors.engine import GenRequest, GenResult, WeightGate, check_weight_names
+from actors.engines.base import GenRequest, GenResult, WeightGate, check_weight_names
 
 log = logging.getLogger("actor.sim")
 
@@ -80,7 +80,7 @@ def load_vocab(model_path: str) -> Vocab:
 class EntropyTable:
     """Rank law p_i ~ exp(-s min(i, k-1)) over V ranks: geometric over the top k, then a
     flat tail. Its tail is uniform, so the rollout's tail-corrected top-k estimate
-    (``actors.entropy``) recovers its entropy exactly. Tabulated over s and inverted."""
+    (``arpo_async.core.entropy``) recovers its entropy exactly. Tabulated over s and inverted."""
 
     def __init__(self, vocab_size: int, k: int):
         self.v, self.k = vocab_size, max(1, min(k, vocab_size))
@@ -314,14 +314,14 @@ async def run_simulated_actors(cfg, actor_ids: list[int]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="actors.sim_engine", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="actors.engines.sim_engine", description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True, help="resolved config.yaml of the run")
     parser.add_argument("--actor-ids", required=True, help="e.g. 0-63 or 0,2,4")
     args = parser.parse_args(argv)
     ids = parse_ids(args.actor_ids)
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s actors{ids[0]}-{ids[-1]} %(name)s %(message)s")
-    from arpo_async.config import load_config
+    from arpo_async.core.config import load_config
 
     asyncio.run(run_simulated_actors(load_config(args.config), ids))
     return 0

@@ -22,7 +22,7 @@ import os
 import sys
 from pathlib import Path
 
-log = logging.getLogger("arpo_async.dsops")
+log = logging.getLogger("arpo_async.core.dsops")
 
 
 def extensions_dir() -> str:

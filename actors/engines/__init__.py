@@ -1,0 +1,50 @@
+"""Generation engines behind one interface (base.py): vLLM (vllm_engine.py), transformers
+(hf_engine.py), a simulated engine for throughput experiments (sim_engine.py) and any
+OpenAI-compatible server (endpoint_engine.py). ``build_engine`` picks the one
+``actors.engine`` names; each implementation is imported only when chosen."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from actors.engines.base import GenerationEngine
+    from arpo_async.core.config import Config
+
+
+async def build_engine(
+    cfg: Config, model_path: str, actor_id: int = 0, version: int = 0
+) -> GenerationEngine:
+    """The engine ``cfg.actors.engine`` names, for actor ``actor_id``, loaded from
+    ``model_path`` (already resolved by ``tiny_model.ensure_model``). Its sampling seed
+    is ``run.seed + actor_id`` so actors draw different samples."""
+    seed = cfg.run.seed + actor_id
+    kind = cfg.actors.engine
+    if kind == "vllm":
+        from actors.engines.vllm_engine import VLLMEngine, cpu_bind_for
+
+        return await VLLMEngine.create(
+            model_path, dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
+            kv_cache_gib=cfg.actors.kv_cache_gib, seed=seed,
+            max_logprobs=max(20, cfg.sampling.logprobs_topk),
+            # CUDA graphs only on GPU: the CPU backend runs eager
+            enforce_eager=cfg.cluster.device == "cpu" or not cfg.actors.cuda_graphs,
+            cpu_threads=cfg.actors.threads,
+            cpu_bind=cpu_bind_for(actor_id, cfg.actors.threads),
+            gpu_memory_utilization=cfg.actors.gpu_memory_utilization,
+            tensor_parallel=cfg.actors.tensor_parallel,
+            enable_prefix_caching=cfg.actors.enable_prefix_caching, version=version,
+            weight_transfer="nccl" if cfg.learner.weight_sync == "nccl" else None,
+        )
+    if kind == "transformers":
+        from actors.engines.hf_engine import HFEngine
+
+        return await HFEngine.create(
+            model_path, dtype=cfg.model.dtype, seed=seed, threads=cfg.actors.threads,
+            version=version, max_model_len=cfg.model.max_model_len,
+        )
+    if kind == "simulated":
+        from actors.engines.sim_engine import SimulatedEngine
+
+        return await SimulatedEngine.create(cfg, model_path, seed=seed, version=version)
+    raise ValueError(f"actors.engine: unknown engine {kind!r}")

@@ -1,0 +1,327 @@
+"""Build a small, randomly initialised Qwen3 model and its tokenizer on this machine.
+
+No model hub is reachable in CI or on an air-gapped box, so tests and the CPU default
+config use a model built here: a byte-level BPE tokenizer trained in-process on a
+generated, seeded corpus shaped like ARPO trajectories, wrapped as a
+``PreTrainedTokenizerFast`` with a ChatML chat template, and a ``Qwen3ForCausalLM`` with
+random weights. ``save_pretrained`` on both gives a folder that transformers and vLLM
+load like any Hugging Face model.
+
+Choices:
+- Digits are split one per token (Qwen2/3's own pre-tokenizer regex, ``\\p{N}`` alone):
+  a number's tokens then spell its digits, so arithmetic is learnable and a tool result
+  such as ``408`` tokenises the same wherever it appears.
+- The ARPO tags (``<think>``, ``</python>``, ...) are single *added* tokens that are not
+  special, so generation can stop on a token id and decoding keeps them.
+- ``tie_word_embeddings=False``: every tensor of the learner's ``state_dict`` then maps to
+  exactly one vLLM parameter, so a weight broadcast needs no alias handling.
+- Deterministic: the same arguments give byte-identical tokenizer and weight files.
+
+CLI: ``python -m arpo_async.jobs.tiny_model OUT_DIR [--hidden 128 --layers 2 --heads 4
+--kv-heads 2 --vocab 2048 --seed 0]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+import re
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from toolenv.tasks.suite import COMMON_WORDS
+
+logger = logging.getLogger(__name__)
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+PAD_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_end|>"
+ARPO_TAGS = [
+    f"<{slash}{name}>"
+    for name in ("think", "python", "search", "result", "answer")
+    for slash in ("", "/")
+]
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# Qwen2/Qwen3's pre-tokenizer split: digits one by one, letters in runs, punctuation runs.
+QWEN_SPLIT_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+MIN_HEAD_DIM = 32  # vLLM's CPU attention refuses 16 ("Unsupported CPU attention configuration")
+CORPUS_LINES = 10000  # enough for a 2048-entry vocabulary; ~2.5k is the most it reaches
+
+_WORDS = list(COMMON_WORDS)
+_SYLLABLES = [c + v for c in "bcdfghklmnprstvwz" for v in ("a", "e", "i", "o", "u", "ar", "en", "on")]
+
+
+def _pseudo_words(rng: random.Random, n: int) -> list[str]:
+    """Made-up names (people, places, titles) so the BPE merges fill the vocabulary the
+    way proper nouns do in real search results."""
+    return ["".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 4))) for _ in range(n)]
+
+
+_QUESTION_WORDS = ["What", "Who", "When", "Where", "Which", "How many", "How much", "Why"]
+_NOUNS = ["apples", "books", "cars", "people", "cities", "rivers", "students", "coins"]
+_SYSTEM = (
+    "You are a helpful assistant. Think step by step inside <think> </think>. "
+    "Call tools with <python> </python> or <search> </search>; results come back in "
+    "<result> </result>. Give the final answer in <answer> </answer> with \\boxed{}."
+)
+
+
+class _Corpus:
+    """Seeded text generator; one instance per corpus so the stream depends only on the seed."""
+
+    def __init__(self, seed: int, num_names: int = 4000):
+        self.rng = random.Random(seed)
+        self.names = _pseudo_words(self.rng, num_names)
+
+    def expr(self, depth: int = 0) -> str:
+        rng = self.rng
+        if depth > 1 or rng.random() < 0.45:
+            return str(rng.randint(0, 999))
+        text = f"{self.expr(depth + 1)}{rng.choice('+-*/')}{self.expr(depth + 1)}"
+        return f"({text})" if rng.random() < 0.3 else text
+
+    def sentence(self, n: int) -> str:
+        rng, words = self.rng, []
+        for _ in range(n):
+            if rng.random() < 0.25:
+                # Zipf-like: a few names are frequent, most are rare.
+                name = self.names[min(int(rng.paretovariate(0.7)) - 1, len(self.names) - 1)]
+                words.append(name.capitalize() if rng.random() < 0.5 else name)
+            else:
+                words.append(rng.choice(_WORDS))
+        return " ".join(words)
+
+    def question(self) -> str:
+        rng, kind = self.rng, self.rng.random()
+        if kind < 0.4:
+            return f"What is {self.expr()}?"
+        if kind < 0.7:
+            a, b = rng.randint(2, 99), rng.randint(2, 99)
+            return f"{rng.choice(_QUESTION_WORDS)} {rng.choice(_NOUNS)} are there if {a} and {b}?"
+        return f"{rng.choice(_QUESTION_WORDS)} {self.sentence(rng.randint(3, 8))}?"
+
+    def trajectory(self) -> str:
+        """One ARPO-format assistant turn: think, tool calls with results, boxed answer."""
+        rng = self.rng
+        parts = [f"<think>{self.sentence(rng.randint(4, 14))}</think>"]
+        for _ in range(rng.randint(0, 2)):
+            if rng.random() < 0.6:
+                parts.append(f"<python>print({self.expr()})</python>")
+                parts.append(f"<result>{rng.randint(-9999, 99999)}</result>")
+            else:
+                parts.append(f"<search>{self.sentence(rng.randint(2, 6))}</search>")
+                parts.append(f"<result>{self.sentence(rng.randint(6, 20))}</result>")
+            parts.append(f"<think>{self.sentence(rng.randint(3, 10))}</think>")
+        parts.append(f"<answer>The answer is \\boxed{{{rng.randint(0, 9999)}}}</answer>")
+        return "\n".join(parts)
+
+    def python(self) -> str:
+        a, b = self.rng.randint(1, 99), self.rng.randint(1, 99)
+        return self.rng.choice([
+            f"print({a}*{b})",
+            f"x = {a}\ny = {b}\nprint(x + y)",
+            f"import math\nprint(math.sqrt({a * a}))",
+            f"total = 0\nfor i in range({a}):\n    total += i\nprint(total)",
+            f"def f(n):\n    return n * {b}\nprint(f({a}))",
+        ])
+
+    def chat(self) -> str:
+        return (
+            f"<|im_start|>system\n{_SYSTEM}<|im_end|>\n<|im_start|>user\n{self.question()}"
+            f"<|im_end|>\n<|im_start|>assistant\n{self.trajectory()}<|im_end|>\n"
+        )
+
+    def line(self) -> str:
+        kind = self.rng.randrange(6)
+        if kind == 0:
+            return f"{self.expr()}={self.rng.randint(-999, 99999)}"
+        if kind == 1:
+            return self.sentence(self.rng.randint(5, 20))
+        return [self.question, self.python, self.trajectory, self.chat][kind - 2]()
+
+
+def generate_corpus(seed: int = 0, lines: int = CORPUS_LINES) -> Iterator[str]:
+    """Seeded training text: arithmetic, English filler and names, questions, Python,
+    and whole ChatML conversations in the ARPO tag format."""
+    gen = _Corpus(seed)
+    for _ in range(lines):
+        yield gen.line()
+
+
+def build_tokenizer(vocab: int, seed: int = 0, corpus: Iterable[str] | None = None) -> Any:
+    """Train a byte-level BPE tokenizer of ``vocab`` entries and wrap it with its special
+    tokens, ARPO tags and chat template. The built-in corpus fills about 2.5k entries; a
+    larger ``vocab`` needs more text in ``corpus``, else the tokenizer comes out smaller
+    (a warning says so) and the model's vocabulary follows the tokenizer."""
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        trainers,
+    )
+    from transformers import PreTrainedTokenizerFast
+
+    n_fixed = len(SPECIAL_TOKENS) + len(ARPO_TAGS)
+    if vocab < 256 + n_fixed + 1:
+        raise ValueError(f"vocab={vocab}: must exceed the 256 byte symbols + {n_fixed} fixed tokens")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_SPLIT_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab - len(ARPO_TAGS),
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=2,
+        show_progress=False,
+    )
+    texts = list(generate_corpus(seed)) + list(corpus or [])
+    # Tags and special tokens are removed from the training text: they are single tokens
+    # anyway, and merges spent on their pieces would be wasted.
+    strip = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS + ARPO_TAGS))
+    tok.train_from_iterator((strip.sub("\n", t) for t in texts), trainer=trainer)
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in ARPO_TAGS])
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, unk_token=None,
+        bos_token=None, model_max_length=2048,
+    )
+    wrapped.chat_template = CHATML_TEMPLATE
+    if len(wrapped) < vocab:
+        logger.warning("tokenizer has %d entries, fewer than vocab=%d: the corpus ran out "
+                       "of merges (pass more text as corpus)", len(wrapped), vocab)
+    return wrapped
+
+
+def build_tiny_model(
+    out_dir: str | Path,
+    hidden: int = 128,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int | None = None,
+    intermediate: int | None = None,
+    vocab: int = 2048,
+    max_positions: int = 2048,
+    seed: int = 0,
+    corpus: Iterable[str] | None = None,
+) -> Path:
+    """Write tokenizer + random Qwen3 weights to ``out_dir`` (created atomically: a
+    crash never leaves a half-written folder). kv_heads defaults to heads // 2 (grouped
+    query attention like Qwen3), intermediate to 3 * hidden. Returns the folder."""
+    import torch
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    kv_heads = kv_heads if kv_heads is not None else max(1, heads // 2)
+    if hidden % heads or heads % kv_heads:
+        raise ValueError(f"hidden={hidden}, heads={heads}, kv_heads={kv_heads}: must divide evenly")
+    head_dim = hidden // heads
+    if head_dim < MIN_HEAD_DIM:
+        raise ValueError(f"head_dim = hidden/heads = {head_dim}: vLLM on CPU needs >= {MIN_HEAD_DIM}")
+    out = Path(out_dir)
+    if out.exists():
+        raise FileExistsError(f"{out} already exists: remove it or choose another folder")
+    tokenizer = build_tokenizer(vocab, seed, corpus)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate or 3 * hidden,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=head_dim, max_position_embeddings=max_positions, tie_word_embeddings=False,
+        max_window_layers=layers, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, dtype="float32",
+    )
+    # A private RNG stream: building a model must not move the caller's global seed.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config).to(torch.float32).eval()
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None, do_sample=True, temperature=1.0, top_p=1.0,
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        tokenizer.save_pretrained(tmp)
+        model.save_pretrained(tmp)
+        # mkdtemp makes 0700 folders; the model is shared by every actor and the learner.
+        os.chmod(tmp, 0o755)
+        for f in tmp.iterdir():
+            os.chmod(f, 0o644)
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            # Another process built the same folder first; same arguments give the
+            # same files, so its copy is as good as ours.
+            if not (out / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def ensure_model(path: str | Path, cfg_model: Any) -> Path:
+    """Return a usable model location for ``model.path``.
+
+    An existing folder is returned as is (it must hold a config.json). A missing one is
+    built with the config's ``tiny_*`` sizes when ``model.build_if_missing`` is true. A
+    hub name (``org/name``, whose first part is not a local folder) is passed through
+    for transformers/vLLM to resolve -- no hub is reachable on an offline machine.
+    Anything else raises a one-line error naming the path.
+    """
+    p = Path(path)
+    if p.exists():
+        if not (p / "config.json").is_file():
+            raise FileNotFoundError(f"model.path: {p} exists but has no config.json")
+        return p
+    if cfg_model.build_if_missing:
+        return build_tiny_model(
+            p, hidden=cfg_model.tiny_hidden, layers=cfg_model.tiny_layers,
+            heads=cfg_model.tiny_heads, vocab=cfg_model.tiny_vocab,
+            max_positions=max(2048, cfg_model.max_model_len),
+        )
+    if _HUB_NAME.match(str(path)) and not Path(str(path).split("/")[0]).exists():
+        return p
+    raise FileNotFoundError(
+        f"model.path: {p} does not exist (set model.build_if_missing=true to build a tiny local model)"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Build a tiny random Qwen3 model + tokenizer.")
+    ap.add_argument("out_dir")
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--intermediate", type=int, default=None)
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--max-positions", type=int, default=2048)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    out = build_tiny_model(
+        args.out_dir, hidden=args.hidden, layers=args.layers, heads=args.heads,
+        kv_heads=args.kv_heads, intermediate=args.intermediate, vocab=args.vocab,
+        max_positions=args.max_positions, seed=args.seed,
+    )
+    print(out)
+
+
+if __name__ == "__main__":
+    main()

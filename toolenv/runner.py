@@ -1,0 +1,211 @@
+"""The runner every tool call goes through, and the factory that wires the tools.
+
+``ToolRunner.call`` wraps a tool (toolenv/base.py), in this order: shared cache lookup ->
+rate limit (asyncio-throttle) -> concurrency semaphore -> wall-clock timeout
+(``asyncio.wait_for``, so it fires even when the tool hangs) -> retries with exponential
+backoff for transient errors only -> cache store of successful results. Errors and
+timeouts are never cached, and a timeout is never retried (a snippet that ran out of time
+once will do so again).
+
+``build_tools`` wires the tools listed in ``ToolsConfig.enabled``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from asyncio_throttle import Throttler
+
+from toolenv.base import Tool, ToolResult
+
+if TYPE_CHECKING:
+    from arpo_async.core.config import ToolsConfig
+    from toolenv.cache import ToolCache
+
+log = logging.getLogger(__name__)
+
+_LATENCY_WINDOW = 10_000  # latencies kept for the percentiles (the mean is exact)
+_PER_TOOL = ("calls", "cache_hits", "errors", "timeouts")
+
+
+def _throttler(rate_per_s: float) -> Throttler | None:
+    """asyncio-throttle counts whole calls per period, so rates below 1/s widen the period."""
+    if rate_per_s <= 0:
+        return None  # 0 means no rate limit
+    calls = max(1, round(rate_per_s))
+    return Throttler(rate_limit=calls, period=calls / rate_per_s)
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    index = min(len(sorted_values) - 1, int(q * len(sorted_values)))
+    return sorted_values[index]
+
+
+class ToolRunner:
+    """Every tool call goes through here (see the module docstring for the order)."""
+
+    def __init__(self, tools: dict[str, Tool], cache: ToolCache | None, rate_per_s: float,
+                 concurrency: int, timeout_s: float, retries: int, backoff_s: float = 0.1):
+        if concurrency < 1 or timeout_s <= 0 or retries < 0 or backoff_s < 0:
+            raise ValueError(f"ToolRunner: need concurrency >= 1, timeout_s > 0, retries >= 0, "
+                             f"backoff_s >= 0; got {concurrency}, {timeout_s}, {retries}, "
+                             f"{backoff_s}")
+        self.tools, self.cache = dict(tools), cache
+        self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
+        self._throttle = _throttler(rate_per_s)
+        self._slots = asyncio.Semaphore(concurrency)
+        self._counts = dict.fromkeys(
+            ("calls", "executed", "cache_hits", "cache_misses", "errors", "timeouts", "retries",
+             "cache_lookup_errors", "cache_store_errors"), 0)
+        self._latency_sum = 0.0
+        self._latencies: deque[float] = deque(maxlen=_LATENCY_WINDOW)
+        self._per_tool: dict[str, dict[str, float]] = {}
+
+    async def call(self, name: str, args: str) -> ToolResult:
+        """Run one tool call; failures come back as ``ok=False`` results, never raised."""
+        start = time.perf_counter()
+        tool = self.tools.get(name)
+        if tool is None:
+            known = ", ".join(sorted(self.tools)) or "none"
+            result = ToolResult(f"unknown tool {name!r} (available: {known})", ok=False,
+                                error="unknown_tool")
+        else:
+            result = self._lookup(tool, args)
+            if result is None:
+                result = await self._execute(tool, args)
+                self._store(tool, args, result)
+        result.latency_s = time.perf_counter() - start
+        self._count(name, result)
+        return result
+
+    def _lookup(self, tool: Tool, args: str) -> ToolResult | None:
+        if self.cache is None:
+            return None
+        try:
+            text = self.cache.get(tool.name, tool.version, args)
+        except Exception:  # a locked or damaged cache costs a lookup, not the call
+            self._counts["cache_lookup_errors"] += 1
+            log.exception("tool cache lookup failed for %s", tool.name)
+            text = None
+        if text is None:
+            self._counts["cache_misses"] += 1
+            return None
+        self._counts["cache_hits"] += 1
+        return ToolResult(text, ok=True, cached=True)
+
+    async def _execute(self, tool: Tool, args: str) -> ToolResult:
+        self._counts["executed"] += 1
+        attempt = 0
+        while True:
+            result = await self._attempt(tool, args)
+            if result.ok or not result.transient or attempt >= self.retries:
+                return result
+            await asyncio.sleep(self.backoff_s * 2**attempt)
+            attempt += 1
+            self._counts["retries"] += 1
+
+    async def _attempt(self, tool: Tool, args: str) -> ToolResult:
+        if self._throttle is not None:
+            async with self._throttle:
+                pass  # only the start of a call is rate limited, not its duration
+        async with self._slots:
+            try:
+                return await asyncio.wait_for(tool.call(args), self.timeout_s)
+            except asyncio.TimeoutError:
+                return ToolResult(f"TimeoutError: {tool.name} call exceeded the "
+                                  f"{self.timeout_s:g} s time limit", ok=False, error="timeout")
+            except ConnectionError as exc:  # resets and refusals: worth another try
+                return ToolResult(f"{type(exc).__name__}: {exc}", ok=False,
+                                  error="connection", transient=True)
+            except Exception as exc:  # a tool bug must not kill the rollout that called it
+                log.exception("tool %s raised", tool.name)
+                return ToolResult(f"{type(exc).__name__}: {exc}", ok=False,
+                                  error=f"raised:{type(exc).__name__}")
+
+    def _store(self, tool: Tool, args: str, result: ToolResult) -> None:
+        if self.cache is None or not result.ok:
+            return
+        try:
+            self.cache.set(tool.name, tool.version, args, result.text)
+        except Exception:  # a full disk costs the cache entry, not the call
+            self._counts["cache_store_errors"] += 1
+            log.exception("tool cache store failed for %s", tool.name)
+
+    def _count(self, name: str, result: ToolResult) -> None:
+        per = self._per_tool.setdefault(name, {**dict.fromkeys(_PER_TOOL, 0), "latency_sum": 0.0})
+        updates = {"calls": 1, "cache_hits": int(result.cached), "errors": int(not result.ok),
+                   "timeouts": int(result.error == "timeout")}
+        for key, value in updates.items():
+            per[key] += value
+            if key != "cache_hits":  # counted at lookup time
+                self._counts[key] += value
+        per["latency_sum"] += result.latency_s
+        self._latency_sum += result.latency_s
+        self._latencies.append(result.latency_s)
+
+    def stats(self) -> dict[str, float]:
+        """Counters, overall and per tool as ``"<tool>.<counter>"``.
+
+        calls: every call; executed: calls that ran the tool (cache hits did not; retries
+        are counted apart in retries); cache_hits/cache_misses: lookups; errors: calls
+        whose final result was not ok (timeouts and unknown tools included); timeouts;
+        cache_lookup_errors/cache_store_errors: cache failures that cost only the cache.
+        Latency is in seconds, end to end as the caller saw it (throttling and retries
+        included); percentiles over the last 10,000 calls, the mean over all.
+        """
+        out: dict[str, float] = dict(self._counts)
+        ordered = sorted(self._latencies)
+        out["latency_mean_s"] = self._latency_sum / out["calls"] if out["calls"] else 0.0
+        out["latency_p50_s"] = _percentile(ordered, 0.5)
+        out["latency_p99_s"] = _percentile(ordered, 0.99)
+        for name, per in self._per_tool.items():
+            for key in _PER_TOOL:
+                out[f"{name}.{key}"] = per[key]
+            out[f"{name}.latency_mean_s"] = per["latency_sum"] / per["calls"]
+        return out
+
+    async def close(self) -> None:
+        for tool in self.tools.values():
+            await tool.close()
+        if self.cache is not None:
+            self.cache.close()
+
+
+def build_tools(cfg: ToolsConfig, run_dir: str | Path) -> ToolRunner:
+    """The runner for ``cfg.enabled`` with the shared cache and the configured limits.
+
+    The Python tool's own wall-clock limit is set a little under ``cfg.timeout_s`` so that
+    it, not the runner's backstop, reports the timeout (with the output printed so far).
+    """
+    from toolenv.cache import ToolCache
+
+    cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else Path(run_dir) / "tool_cache"
+    cache = ToolCache(cache_dir, ttl_s=cfg.cache_ttl_s)
+    tools: dict[str, Tool] = {}
+    for name in cfg.enabled:
+        if name == "python":
+            from toolenv.python_tool import PythonTool
+
+            tools[name] = PythonTool(
+                cpu_s=cfg.python_cpu_s, memory_mb=cfg.python_memory_mb,
+                max_procs=cfg.python_max_procs, max_output=cfg.python_max_output,
+                wall_timeout_s=max(cfg.timeout_s - 0.25, 0.9 * cfg.timeout_s),
+                allow_unsandboxed=cfg.allow_unsandboxed,
+                hide=[run_dir, cache_dir])  # checkpoints, logs and cached results
+        elif name == "search":
+            from toolenv.search import SearchTool
+
+            tools[name] = SearchTool(cfg.retriever_url, topk=cfg.search_topk,
+                                     snippet_chars=cfg.search_snippet_chars)
+        else:
+            cache.close()
+            raise ValueError(f"tools.enabled: unknown tool {name!r} (known: python, search)")
+    return ToolRunner(tools, cache, rate_per_s=cfg.rate_per_s, concurrency=cfg.concurrency,
+                      timeout_s=cfg.timeout_s, retries=cfg.retries)

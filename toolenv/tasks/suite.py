@@ -1,0 +1,276 @@
+"""The synthetic tool-use tasks: entities, corpus documents and questions, generated from
+a seed, nothing downloaded (the RL prompt source of ``task.name=synthetic_tools``).
+
+Invented entities (cities and writers with made-up two-word names such as "Vel Bira",
+and random facts) live in a document corpus that the BM25 retriever serves. Three task
+kinds need the tools:
+
+- ``arith``: multi-digit products and sums ("What is 347 * 29?") -> ``<python>``;
+- ``lookup``: one fact of one entity ("What is the population of Vel Bira?") -> ``<search>``;
+- ``combo``: two facts combined ("... population of Vel Bira plus the population of
+  Kos Havi?") -> two ``<search>`` calls, then ``<python>`` on the numbers found.
+
+Splits (sft / rl / heldout) never share what matters: each entity belongs to one split,
+so a held-out look-up asks about an entity training never mentioned, and an arithmetic
+operand pair belongs to the split its hash picks. Every split draws from its own seeded
+generator, so its items do not depend on the sizes of the other splits.
+
+The files of a suite (corpus, SFT traces built with the real tools, the splits) are
+written by ``python -m arpo_async.jobs.synthetic`` (arpo_async/jobs/synthetic.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+SYSTEM_PROMPT = (
+    "Use tools: <python>code</python> runs Python, <search>query</search> searches "
+    "documents; results come in <result></result>. End with <answer>\\boxed{}</answer>."
+)
+KINDS = ("arith", "lookup", "combo")
+SPLITS = ("sft", "rl", "heldout")
+ENTITY_SHARE = {"sft": 0.5, "rl": 0.25, "heldout": 0.25}  # fraction of entities per split
+PAIR_BUCKETS = {"sft": range(0, 6), "rl": range(6, 7), "heldout": range(7, 8)}  # of 8
+
+# attribute -> (entity type, question phrase, value range). The search query is the
+# phrase without "the", a span the model copies from the question token for token (a
+# name after a space tokenises differently from a name right after a tag).
+ATTRS = {
+    "population": ("city", "the population of {}", (10000, 99999)),
+    "founded": ("city", "the founding year of {}", (1000, 1999)),
+    "elevation": ("city", "the elevation of {}", (100, 999)),
+    "born": ("person", "the birth year of {}", (1500, 1999)),
+    "books": ("person", "the number of books by {}", (10, 99)),
+}
+# One document per fact, its number last: a look-up's answer then sits at a fixed
+# distance before "</result>", which the tiny model learns to copy within the SFT budget
+# (with all of an entity's facts in one document, only the last fact was copied right:
+# 0% of populations, 96% of elevations after 1,000 steps). Each sentence holds its
+# attribute's query words, so BM25 ranks the asked fact above the entity's others.
+_FACT_SENTENCE = {
+    "population": "Its population is {}.", "founded": "Its founding year is {}.",
+    "elevation": "Its elevation in metres is {}.", "born": "The birth year of the writer is {}.",
+    "books": "The number of books by the writer is {}.",
+}
+_INTRO = {"city": "{} is a city.", "person": "{} is a writer."}
+# A look-up's thought restates what it searches for: one more copy of the name to
+# practise, from which the query is then copied at a fixed distance.
+THINK = {"arith": "Compute it with python.", "lookup": "Search for {}.",
+         "combo": "Search both facts, then compute."}
+THINK_DIRECT = "Answer from memory."
+_ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr",
+           "kr", "tr", "th", "sh", "qu", "h"]
+_VOWELS = ["a", "e", "i", "o", "u"]
+
+
+@dataclass(frozen=True)
+class SuiteSpec:
+    seed: int = 0
+    entities: int = 600  # two thirds cities, one third writers
+    sft: int = 3000  # SFT traces
+    rl: int = 2000  # RL prompts
+    heldout: int = 300  # held-out evaluation prompts
+    topk: int = 1  # search results shown per query (tools.search_topk)
+    snippet_chars: int = 160  # characters kept per result (tools.search_snippet_chars)
+    # Share of SFT traces whose demonstrator answers from memory, without a tool (right on
+    # its own entities, a guess on anyone else's): an imperfect cold start that RL has to
+    # correct by learning when to look things up.
+    direct: float = 0.0
+
+    def count(self, split: str) -> int:
+        return {"sft": self.sft, "rl": self.rl, "heldout": self.heldout}[split]
+
+
+@dataclass
+class Entity:
+    name: str
+    type: str  # "city" | "person"
+    facts: dict[str, int]
+    split: str
+
+    def documents(self) -> list[dict]:
+        """One retriever document per fact: ``{"id", "contents": "Title\ntext"}``."""
+        intro, key = _INTRO[self.type].format(self.name), self.name.lower().replace(" ", "-")
+        return [{"id": f"{key}-{attr}",
+                 "contents": f"{self.name}\n{intro} {_FACT_SENTENCE[attr].format(value)}"}
+                for attr, value in self.facts.items()]
+
+
+@dataclass
+class Task:
+    id: str
+    split: str
+    kind: str  # one of KINDS
+    question: str
+    answer: str
+    calls: list[tuple[str, str]]  # (tool, args) in the order the trace makes them
+    found: list[tuple[str, int]] = field(default_factory=list)  # (entity, value) per search
+
+    def row(self) -> dict:
+        """A prompt row in the ARPO RL schema that ``toolenv.tasks.data.load_examples`` reads
+        (system prompt included), plus plain question/answer/kind for people."""
+        return {
+            "id": self.id, "kind": self.kind, "question": self.question, "answer": self.answer,
+            "ability": "math",  # numeric answers: scored by mathematical equivalence
+            "prompt": [{"role": "system", "content": SYSTEM_PROMPT},
+                       {"role": "user", "content": self.question}],
+            "reward_model": {"ground_truth": self.answer, "style": "rule"},
+            "extra_info": {"index": self.id, "question": self.question, "split": self.split},
+        }
+
+
+# Common English words: the tiny model's tokenizer is trained on them (arpo_async/jobs/
+# tiny_model.py), and invented entity names never coincide with one.
+_COMMON_TEXT = (
+    "the a an of to and in is it that for on with as by at from this be are was we you "
+    "number sum product result value answer question step first then next so therefore "
+    "compute calculate find total each per more less than times plus minus divided equals "
+    "let us use python search check verify think because need know year city country "
+    "river capital born wrote who what when where which why how many much large small "
+    "after before during between under over about into through again all any both few "
+    "some most other such only own same too very can will just should now have has had "
+    "do does did not no yes if or but while until since also there here their they them "
+    "his her its our your he she him me my i one two three four five six seven eight nine "
+    "ten hundred thousand million half twice square root prime even odd digit fraction "
+    "percent average ratio area length width height distance speed time hour minute day "
+    "week month price cost money dollar buy sell pay paid left remaining gave got each "
+    "film book song album author director actor singer team game war king queen state "
+    "university company band founded located named known called won played released "
+    "population language river mountain island ocean lake north south east west world "
+    "american british french german english first last new old great long high best "
+    "wikipedia article page source document retrieve query information fact evidence "
+    "code print import math return def function variable list loop range output error"
+)
+COMMON_WORDS = tuple(_COMMON_TEXT.split())
+
+
+# ----------------------------------------------------------------------------- entities
+
+
+def _words(rng: np.random.Generator, n: int, make, taken: set[str]) -> list[str]:
+    from bm25s.stopwords import STOPWORDS_EN
+
+    banned = taken | set(STOPWORDS_EN) | set(COMMON_WORDS)
+    out: list[str] = []
+    while len(out) < n:
+        word = make()
+        if word not in banned:
+            banned.add(word)
+            out.append(word.capitalize())
+    return out
+
+
+def _names(rng: np.random.Generator, n: int) -> list[str]:
+    """n distinct two-word invented names ("Bira Tano"): unordered pairs of words from one
+    small inventory (about sqrt(2n) words of two open syllables; never both "Bira Tano"
+    and "Tano Bira", which BM25's bag of words could not tell apart). Each word is then one
+    token that recurs in many names, and a held-out name is a new pair of known words.
+    Why so few words: the tiny model copies a name into its query token by token, and it
+    learns to copy a token only after seeing that token copied many times (its input
+    and output embeddings are untied); 7,200 names of 180 words failed to copy at all."""
+    size = math.ceil((1 + math.sqrt(1 + 8 * n)) / 2)  # size * (size - 1) / 2 >= n
+    pick = lambda items: items[int(rng.integers(len(items)))]  # noqa: E731
+    words = _words(rng, size, lambda: "".join(
+        pick(_ONSETS) + pick(_VOWELS) for _ in range(2)), set())
+    pairs = [f"{a} {b}" for i, a in enumerate(words) for b in words[i + 1:]]
+    return [pairs[int(i)] for i in rng.permutation(len(pairs))[:n]]
+
+
+def make_entities(spec: SuiteSpec) -> list[Entity]:
+    """All entities of the suite, each assigned to one split (depends on seed and count)."""
+    rng = np.random.default_rng([spec.seed, 0])
+    n_city = (2 * spec.entities) // 3
+    names = _names(rng, spec.entities)
+    entities = []
+    for i, name in enumerate(names):
+        etype = "city" if i < n_city else "person"
+        attrs = [a for a, v in ATTRS.items() if v[0] == etype]
+        facts = {a: int(rng.integers(ATTRS[a][2][0], ATTRS[a][2][1] + 1)) for a in attrs}
+        entities.append(Entity(name, etype, facts, ""))
+    for etype in ("city", "person"):
+        idx = [i for i, e in enumerate(entities) if e.type == etype]
+        idx = [idx[j] for j in rng.permutation(len(idx))]
+        cut1 = int(len(idx) * ENTITY_SHARE["sft"])
+        cut2 = cut1 + int(len(idx) * ENTITY_SHARE["rl"])
+        for pos, i in enumerate(idx):
+            entities[i].split = "sft" if pos < cut1 else "rl" if pos < cut2 else "heldout"
+    return entities
+
+
+def corpus_rows(entities: list[Entity]) -> list[dict]:
+    return [doc for e in entities for doc in e.documents()]
+
+
+# ----------------------------------------------------------------------------- tasks
+
+
+def pair_split(op: str, a: int, b: int) -> str:
+    """The split an arithmetic operand pair belongs to (a fixed hash, so splits never
+    share a pair whatever their sizes)."""
+    bucket = (a * 7919 + b * 104729 + (1 if op == "*" else 0)) % 8
+    return next(s for s, r in PAIR_BUCKETS.items() if bucket in r)
+
+
+def _arith(rng: np.random.Generator, split: str, seen: set) -> tuple[str, str, str]:
+    while True:
+        if rng.random() < 0.5:
+            op, a, b = "*", int(rng.integers(100, 1000)), int(rng.integers(11, 100))
+        else:
+            op, a, b = "+", int(rng.integers(1000, 10000)), int(rng.integers(1000, 10000))
+        if pair_split(op, a, b) == split and (op, a, b) not in seen:
+            seen.add((op, a, b))
+            value = a * b if op == "*" else a + b
+            return f"What is {a} {op} {b}?", f"print({a}{op}{b})", str(value)
+
+
+def _query(phrase: str, name: str) -> str:
+    return phrase.format(name).removeprefix("the ")
+
+
+def _pick_attr(rng: np.random.Generator) -> tuple[str, tuple]:
+    name = list(ATTRS)[int(rng.integers(len(ATTRS)))]
+    return name, ATTRS[name]
+
+
+def make_tasks(spec: SuiteSpec, split: str, n: int | None = None) -> list[Task]:
+    """``n`` tasks (default: the spec's count) of one split, kinds in round-robin order so
+    every prefix is balanced."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    n = spec.count(split) if n is None else n
+    rng = np.random.default_rng([spec.seed, 1 + SPLITS.index(split)])
+    pool: dict[str, list[Entity]] = {"city": [], "person": []}
+    for e in make_entities(spec):
+        if e.split == split:
+            pool[e.type].append(e)
+    if min(len(p) for p in pool.values()) < 2:
+        raise ValueError(f"split {split}: too few entities (spec.entities={spec.entities})")
+    seen: set = set()
+    tasks = []
+    for i in range(n):
+        kind, tid = KINDS[i % len(KINDS)], f"{split}-{i:05d}"
+        if kind == "arith":
+            question, code, answer = _arith(rng, split, seen)
+            tasks.append(Task(tid, split, kind, question, answer, [("python", code)]))
+            continue
+        attr, (etype, phrase, _) = _pick_attr(rng)
+        ents = pool[etype]
+        if kind == "lookup":
+            e = ents[int(rng.integers(len(ents)))]
+            tasks.append(Task(tid, split, kind, f"What is {phrase.format(e.name)}?",
+                              str(e.facts[attr]), [("search", _query(phrase, e.name))],
+                              [(e.name, e.facts[attr])]))
+            continue
+        i1, i2 = rng.choice(len(ents), size=2, replace=False)
+        x, y = ents[int(i1)], ents[int(i2)]
+        op, word = ("+", "plus") if rng.random() < 0.5 else ("-", "minus")
+        a, b = x.facts[attr], y.facts[attr]
+        question = f"What is {phrase.format(x.name)} {word} {phrase.format(y.name)}?"
+        calls = [("search", _query(phrase, x.name)), ("search", _query(phrase, y.name)),
+                 ("python", f"print({a}{op}{b})")]
+        tasks.append(Task(tid, split, kind, question, str(a + b if op == "+" else a - b), calls,
+                          [(x.name, a), (y.name, b)]))
+    return tasks
