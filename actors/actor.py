@@ -38,7 +38,6 @@ from toolenv.tasks.prompts import PromptSource
 
 log = logging.getLogger("actor")
 
-HELLO_REQUIRED = "hello_required"  # learner/service.py: a learner that has not met us
 _RETRY_S = (0.5, 5.0)  # first and longest wait between retries of an unanswered request
 
 
@@ -106,7 +105,7 @@ class Actor:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _RETRY_S[1])
         self._learner_version = getattr(reply, "learner_version", self._learner_version)
-        if getattr(reply, "reason", "") == HELLO_REQUIRED:
+        if getattr(reply, "reason", "") == P.AckReason.HELLO_REQUIRED:
             await self._hello("the learner restarted")
         elif self._lost_contact:
             # a retried request may have been granted twice: a Hello lets the learner
@@ -138,7 +137,7 @@ class Actor:
                                                 self.stats()))
             except Exception as exc:  # keep beating: the learner may be restarting
                 log.warning("actor %d: heartbeat failed: %s", self.actor_id, exc)
-            await asyncio.sleep(self.cfg.actors.weight_poll_s)
+            await asyncio.sleep(self.cfg.actors.heartbeat_s)
 
     # ------------------------------------------------------------------ slots
     async def _slot(self) -> None:
@@ -149,12 +148,15 @@ class Actor:
                 self.stop = True
                 break
             if not grant.granted:
-                if grant.reason == HELLO_REQUIRED:
+                reason = P.reason_of(grant.reason, P.GrantReason)
+                if reason is P.GrantReason.HELLO_REQUIRED:
                     pass  # _request said hello; ask again
-                elif grant.reason.startswith("stale"):
+                elif reason is not None and reason.needs_weights:
                     await self.sync_weights()
-                else:  # at capacity: tickets free up as the learner trains
-                    await asyncio.sleep(0.02 if grant.reason == "capacity" else 0.2)
+                else:  # tickets free up as the learner trains
+                    await asyncio.sleep(self.cfg.actors.capacity_retry_s
+                                        if reason is not None and reason.busy
+                                        else self.cfg.actors.refusal_retry_s)
                 self.idle_s += time.perf_counter() - t0
                 continue
             self.idle_s += time.perf_counter() - t0

@@ -1,4 +1,5 @@
-"""Actor entry point: ``python -m actors.main --config RUN_DIR/config.yaml --actor-id I``.
+"""Actor entry point: ``python -m actors.main --config RUN_DIR/config.yaml --actor-id I``
+(or ``--actor-ids 0-63``: several simulated actors in one process).
 
 Builds the engine, the prompt source, the tools and the rollout the config names, connects
 to the learner and runs the actor loop until the learner says stop.
@@ -41,7 +42,7 @@ async def run_actor(cfg, actor_id: int) -> None:
         from toolenv.runner import build_tools
 
         tools = build_tools(cfg.tools, cfg.run.dir)
-    rng = np.random.default_rng([cfg.run.seed, 1000 + actor_id])
+    rng = np.random.default_rng([cfg.run.seed, cfg.rollout.branch_seed + actor_id])
     source = PromptSource(cfg, tokenizer, stream=actor_id)
     rollout = build_rollout(cfg, engine, source, tokenizer, tools, rng)
     t = cfg.transport
@@ -62,17 +63,50 @@ async def run_actor(cfg, actor_id: int) -> None:
         await engine.close()
 
 
+def parse_ids(text: str) -> list[int]:
+    """"0-3,7" -> [0, 1, 2, 3, 7]."""
+    out: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise ValueError(f"--actor-ids: {part!r} is not N or N-M")
+        out += list(range(int(lo), int(hi or lo) + 1))
+    if not out or len(set(out)) != len(out):
+        raise ValueError(f"--actor-ids: {text!r} must name each actor once")
+    return out
+
+
+async def run_actors(cfg, actor_ids: list[int]) -> None:
+    """Several actors in one process, each the ordinary actor path as a task: only for the
+    simulated engine (throughput experiments with many actors, actors/engines/sim_engine.py)."""
+    if len(actor_ids) > 1 and cfg.actors.engine != "simulated":
+        raise ValueError(f"actors.engine is {cfg.actors.engine!r}: only simulated actors can "
+                         "share a process")
+    await asyncio.gather(*(run_actor(cfg, i) for i in actor_ids))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="actors.main", description=__doc__)
     parser.add_argument("--config", required=True, help="resolved config.yaml of the run")
-    parser.add_argument("--actor-id", type=int, required=True)
+    who = parser.add_mutually_exclusive_group(required=True)
+    who.add_argument("--actor-id", type=int, help="this actor's id")
+    who.add_argument("--actor-ids", help="several simulated actors in one process: 0-63 or 0,2,4")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO,
-                        format=f"%(asctime)s actor{args.actor_id} %(name)s %(message)s")
-    from arpo_async.core.config import load_config
+    ids = [args.actor_id] if args.actor_ids is None else parse_ids(args.actor_ids)
+    name = f"actor{ids[0]}" if len(ids) == 1 else f"actors{ids[0]}-{ids[-1]}"
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(name)s %(message)s")
+    import os
 
-    asyncio.run(run_actor(load_config(args.config), args.actor_id))
-    return 0
+    from arpo_async.core.config import load_config
+    from arpo_async.core.protocol import ExitCode
+    from arpo_async.core.rundir import record_exit
+
+    cfg = load_config(args.config)
+    asyncio.run(run_actors(cfg, ids))
+    # The learner ended the run. Said in a file, not only by the exit status: a launcher
+    # that adopted this process after --resume is not its parent and cannot wait for it.
+    record_exit(cfg.run.dir, os.getpid(), ExitCode.OK)
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

@@ -56,7 +56,6 @@ class NcclTransferFailed(RuntimeError):
     """A broadcast did not complete: the vLLM workers may be stuck inside NCCL."""
 
 
-EXIT_RESTART = 75  # EX_TEMPFAIL: the launcher restarts an actor that exits non-zero
 
 
 def init_info_from(reply: P.NcclJoinReply) -> dict:
@@ -136,7 +135,7 @@ class NcclWeights:
                 # launcher restarts this actor) frees the GPU.
                 log.critical("actor %d: %s; exiting so that the actor is restarted",
                              self.actor_id, exc)
-                os._exit(EXIT_RESTART)
+                os._exit(P.ExitCode.RESTART)
             else:
                 return None if got is None else WeightSyncResult(*got, self.channel)
         return await self.fallback.sync(engine, have_version)

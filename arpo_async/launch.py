@@ -77,9 +77,10 @@ def main(argv: list[str] | None = None) -> int:
             from arpo_async.jobs.pipeline import run
 
             return run(args)
-        from arpo_async.launcher.supervisor import launch
+        from arpo_async.jobs.tiny_model import resolve_model_path
+        from arpo_async.launcher.supervisor import LaunchRequest, launch
 
-        return launch(args)
+        return launch(LaunchRequest(**vars(args)), model_path=resolve_model_path)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2

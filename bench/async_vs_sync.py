@@ -35,15 +35,15 @@ BASE = ["actors.num=1", "actors.engine=vllm", "actors.threads=1", "learner.threa
 
 def pinned_run(overrides: list[str], run_dir: Path, timeout_s: float) -> dict:
     """Start the launcher's roles with CPU affinity, wait for the learner, summarise."""
-    import argparse as ap
 
     from arpo_async.core.config import save_config
     from arpo_async.core.dsops import prebuild_deepspeed_ops
     from arpo_async.jobs.experiments import summarize_run
-    from arpo_async.launcher.supervisor import plan, resolve
+    from arpo_async.jobs.tiny_model import resolve_model_path
+    from arpo_async.launcher.supervisor import LaunchRequest, plan, resolve
 
-    cfg = resolve(ap.Namespace(resume=None, config=None, overrides=[*overrides,
-                               f"run.dir={run_dir}"], quiet=True, dry_run=False))
+    cfg = resolve(LaunchRequest(overrides=[*overrides, f"run.dir={run_dir}"], quiet=True),
+                  model_path=resolve_model_path)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     prebuild_deepspeed_ops()

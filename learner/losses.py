@@ -8,7 +8,7 @@ Three policies, named as in AReaL's decoupled PPO loss:
 * ``behaviour_logprobs``: mu, what the actor sampled with (older weights, and an
   inference engine whose numerics differ from the trainer's).
 
-Per model token t (DESIGN.md "Importance-corrected loss"):
+Per model token t (docs/design.md, "Importance-corrected loss"):
 
     r_t = exp(logpi_t - prox_t)
     w_t = min(exp(prox_t - mu_t), C)                       is_mode "truncate"
@@ -43,9 +43,10 @@ AEPO switches (arXiv 2510.14545, Sec. 3 "entropy-balanced policy optimization"):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+
+from arpo_async.core.loss_settings import LossSettings
 
 LOG_RATIO_LIMIT = 20.0  # |logpi - prox| beyond this is clamped (no gradient past it)
 
@@ -59,36 +60,6 @@ class LossInputs:
     loss_mask: torch.Tensor  # [T] float 0/1 (model tokens; and hard-mode owner mask)
     ref_logprobs: torch.Tensor | None = None  # [T] reference policy, for the KL term
     entropy: torch.Tensor | None = None  # [T] current policy's token entropy
-
-
-@dataclass(frozen=True)
-class LossSettings:
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    dual_clip: float = 0.0  # c of dual-clip PPO for A < 0; 0 = off, else must be > 1
-    is_mode: str = "truncate"  # "truncate" | "mask" | "off"
-    is_cap: float = 2.0  # C
-    is_mask_low: float = 0.5
-    is_mask_high: float = 2.0
-    kl_coef: float = 0.0
-    entropy_coef: float = 0.0
-    aepo_entropy_clip: bool = False
-    aepo_entropy_adv_gamma: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.is_mode not in ("truncate", "mask", "off"):
-            raise ValueError(f"is_mode {self.is_mode!r}: expected truncate, mask or off")
-        if self.dual_clip != 0.0 and self.dual_clip <= 1.0:
-            raise ValueError(f"dual_clip must be 0 (off) or > 1, got {self.dual_clip}")
-        if not (0 <= self.eps_low < 1 and self.eps_high >= 0):
-            raise ValueError(f"eps_low {self.eps_low} must be in [0, 1), eps_high >= 0")
-        if self.is_cap <= 0 or not 0 <= self.is_mask_low <= self.is_mask_high:
-            raise ValueError("is_cap must be > 0 and 0 <= is_mask_low <= is_mask_high")
-
-    @classmethod
-    def from_config(cls, loss_cfg: Any) -> LossSettings:
-        """From ``arpo_async.core.config.LossConfig`` (its other fields are the learner's)."""
-        return cls(**{f: getattr(loss_cfg, f) for f in cls.__dataclass_fields__})
 
 
 def _f(x: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,6 @@ __all__ = ["ActorLedger", "LearnerService", "check_group", "_count"]
 
 log = logging.getLogger("learner.service")
 
-HELLO_REQUIRED = "hello_required"
 _SHUTDOWN_QUIET_S = 3.0  # after every Bye, this long without a group means none is coming
 _SHUTDOWN_MAX_S = 300.0  # the longest a learner waits for live actors' Bye at the end
 _LEAVES_PER_GROUP_SIZE = 4  # a group may hold at most this many times rollout.group_size leaves
@@ -141,7 +140,7 @@ class LearnerService:
         with self.lock:
             if getattr(msg, "actor_id", 0) < 0 or getattr(msg, "n", 0) < 0:
                 self.events["bad_request"] += 1  # counted and refused, never a traceback
-                return P.Ack(ok=False, reason="negative actor_id or n",
+                return P.Ack(ok=False, reason=P.AckReason.BAD_REQUEST,
                              learner_version=self.published)
             if isinstance(msg, P.TicketRequest):
                 return self._ticket(msg)
@@ -150,7 +149,7 @@ class LearnerService:
                     msg, {i: a.last_seen for i, a in self.ledger.actors.items()})
             if isinstance(msg, (P.NcclJoinRequest, P.NcclWeightsRequest)):
                 if self.fast_weights is None:
-                    return P.Ack(ok=False, reason="learner.weight_sync is zmq")
+                    return P.Ack(ok=False, reason=P.AckReason.NO_FAST_WEIGHTS)
                 return self.fast_weights.handle(msg)
             if hasattr(msg, "actor_id"):
                 self.ledger.actor(msg.actor_id).last_seen = time.time()
@@ -158,7 +157,8 @@ class LearnerService:
                 self._hello(msg)
             elif isinstance(msg, P.Heartbeat):
                 if not self.ledger.heartbeat(msg.actor_id, msg.version, msg.stats):
-                    return P.Ack(ok=False, reason=HELLO_REQUIRED, learner_version=self.published)
+                    return P.Ack(ok=False, reason=P.AckReason.HELLO_REQUIRED,
+                                 learner_version=self.published)
             elif isinstance(msg, P.Bye):
                 self.ledger.bye(msg.actor_id, msg.groups_sent, msg.stats)
                 log.info("actor %d said bye after %d groups", msg.actor_id, msg.groups_sent)
@@ -180,15 +180,16 @@ class LearnerService:
         led = self.ledger.actor(msg.actor_id)
         led.last_seen, led.version = time.time(), msg.version
         if self.stopping:
-            return P.TicketGrant(0, self.published, stop=True, reason="stopping")
+            return P.TicketGrant(0, self.published, stop=True, reason=P.GrantReason.STOPPING)
         if not led.hello:
-            return P.TicketGrant(0, self.published, reason=HELLO_REQUIRED)
+            return P.TicketGrant(0, self.published, reason=P.GrantReason.HELLO_REQUIRED)
         if msg.version > self.published >= 0:  # the learner restarted behind this actor
-            return P.TicketGrant(0, self.published, reason="stale_ahead")
+            return P.TicketGrant(0, self.published, reason=P.GrantReason.STALE_AHEAD)
         if not self.gate_open:
             connected = self.ledger.connected()
             if connected < self.expected_actors and time.monotonic() < self.gate_deadline:
-                return P.TicketGrant(0, self.published, reason="waiting_for_actors")
+                return P.TicketGrant(0, self.published,
+                                     reason=P.GrantReason.WAITING_FOR_ACTORS)
             self.gate_open = True
         # Fair share: no actor holds more than its part of a staleness window's groups, so
         # a fast actor that always asks first cannot starve the others in short runs.
@@ -198,7 +199,7 @@ class LearnerService:
         share = max(1, -(-window // max(alive, 1)))
         want = max(0, min(msg.n, share - led.outstanding()))
         if want == 0:
-            return P.TicketGrant(0, self.published, reason="fair_share")
+            return P.TicketGrant(0, self.published, reason=P.GrantReason.FAIR_SHARE)
         granted, reason = self.admission.grant(want, self.version, msg.version)
         led.granted += granted
         return P.TicketGrant(granted, self.published, reason=reason)

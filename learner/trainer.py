@@ -23,7 +23,7 @@ import torch.distributed as dist
 from arpo_async.core.config import Config
 from learner.batching import Batch, LeafSample, balanced_split, collate, token_logprobs
 from learner.device import model_load_kwargs, prepare_model, setup_device, to_device
-from learner.losses import LossInputs, LossSettings, policy_loss
+from learner.losses import LossInputs, policy_loss
 
 log = logging.getLogger("learner")
 
@@ -73,7 +73,7 @@ class PolicyTrainer:
                                   weight_decay=cfg.learner.weight_decay)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optim, config=deepspeed_config(cfg, self.micro_batches))
-        self.loss_settings = LossSettings.from_config(cfg.learner.loss)
+        self.loss_settings = cfg.learner.loss.settings()
         self.temperature = cfg.sampling.temperature
         self.zero3 = cfg.learner.zero_stage == 3
 

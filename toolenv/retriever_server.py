@@ -51,24 +51,17 @@ def load_corpus(path: str | Path) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         raise CorpusError(f"{path}: corpus file not found")
+    from arpo_async.core.files import iter_jsonl
+
     docs = []
-    with path.open(encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise CorpusError(f"{path}: row {n}: not valid JSON: {exc.msg}") from None
-            if not isinstance(row, dict):
-                raise CorpusError(f"{path}: row {n}: expected a JSON object")
-            if isinstance(row.get("contents"), str) and row["contents"].strip():
-                contents = row["contents"]
-            elif isinstance(row.get("text"), str) and row["text"].strip():
-                contents = f"{row.get('title') or ''}\n{row['text']}"
-            else:
-                raise CorpusError(f"{path}: row {n}: no text (expected 'contents' or 'text')")
-            docs.append({"id": str(row.get("id", n - 1)), "contents": contents})
+    for n, row in iter_jsonl(path, CorpusError):
+        if isinstance(row.get("contents"), str) and row["contents"].strip():
+            contents = row["contents"]
+        elif isinstance(row.get("text"), str) and row["text"].strip():
+            contents = f"{row.get('title') or ''}\n{row['text']}"
+        else:
+            raise CorpusError(f"{path}: row {n}: no text (expected 'contents' or 'text')")
+        docs.append({"id": str(row.get("id", n - 1)), "contents": contents})
     if not docs:
         raise CorpusError(f"{path}: corpus is empty")
     return docs

@@ -87,13 +87,17 @@ def extract_answer(text: str) -> str | None:
     end = text.find("</answer>", start)
     if end < 0:
         return None
-    answer = text[start + len("<answer>"):end]
-    pos = answer.rfind(_BOXED)
+    return last_boxed(text[start + len("<answer>"):end])
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last balanced ``\\boxed{...}`` in ``text``, or None."""
+    pos = text.rfind(_BOXED)
     while pos >= 0:
-        content = _balanced(answer, pos + len(_BOXED))
+        content = _balanced(text, pos + len(_BOXED))
         if content is not None:
             return content
-        pos = answer.rfind(_BOXED, 0, pos)
+        pos = text.rfind(_BOXED, 0, pos)
     return None
 
 

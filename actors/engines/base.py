@@ -13,6 +13,7 @@ import time
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -167,3 +168,19 @@ def torch_state_dict(tensors: Mapping[str, Any], dtype: Any,
             raise ValueError(f"weights[{name!r}]: dtype {t.dtype} is not a floating-point weight")
         out[name] = t.to(dtype).contiguous()
     return out
+
+
+def checkpoint_shapes(model_path: str) -> dict[str, tuple] | None:
+    """Tensor names and shapes of a local safetensors checkpoint (None for a hub name or
+    another format: updates are then not checked before they reach the engine)."""
+    files = sorted(Path(model_path).glob("*.safetensors")) if Path(model_path).is_dir() else []
+    if not files:
+        return None
+    from safetensors import safe_open
+
+    shapes = {}
+    for f in files:
+        with safe_open(str(f), framework="np") as sf:
+            for name in sf.keys():  # noqa: SIM118 (safe_open is not a dict)
+                shapes[name] = tuple(sf.get_slice(name).get_shape())
+    return shapes

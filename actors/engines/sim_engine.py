@@ -17,7 +17,7 @@ Token distribution: token ranks follow p_i proportional to exp(-s i) over the V 
 truncated geometric law), s chosen per token so that the normalised entropy is the target;
 the top-k log-probs are the k best ranks and the sampled rank is drawn by inverse CDF.
 
-``python -m actors.engines.sim_engine --config RUN_DIR/config.yaml --actor-ids 0-63`` runs many
+``python -m actors.main --config RUN_DIR/config.yaml --actor-ids 0-63`` runs many
 simulated actors in one process, each an asyncio task with its own engine, sockets and
 actor id (the launcher does this when ``sim.actors_per_process`` > 1): 64 processes that
 each import torch would not fit a small machine.
@@ -25,7 +25,6 @@ each import torch would not fit a small machine.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import functools
 import logging
@@ -33,11 +32,16 @@ import math
 import re
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-from actors.engines.base import GenRequest, GenResult, WeightGate, check_weight_names
+from actors.engines.base import (
+    GenRequest,
+    GenResult,
+    WeightGate,
+    check_weight_names,
+    checkpoint_shapes,
+)
 
 log = logging.getLogger("actor.sim")
 
@@ -135,7 +139,7 @@ class SimulatedEngine:
     async def create(cls, cfg, model_path: str, seed: int, version: int = 0) -> SimulatedEngine:
         vocab = await asyncio.to_thread(load_vocab, str(model_path))
         return cls(cfg.sim, vocab, cfg.tools.enabled, seed, version, cfg.model.max_model_len,
-                   _checkpoint_shapes(str(model_path)))
+                   checkpoint_shapes(str(model_path)))
 
     # ------------------------------------------------------------------ generation
     async def generate(self, req: GenRequest) -> GenResult:
@@ -273,59 +277,3 @@ class SimulatedEngine:
 @functools.lru_cache(maxsize=32)
 def _entropy_table(vocab_size: int, k: int) -> EntropyTable:
     return EntropyTable(vocab_size, k)
-
-
-def _checkpoint_shapes(model_path: str) -> dict[str, tuple] | None:
-    files = sorted(Path(model_path).glob("*.safetensors")) if Path(model_path).is_dir() else []
-    if not files:
-        return None
-    from safetensors import safe_open
-
-    shapes = {}
-    for f in files:
-        with safe_open(str(f), framework="np") as sf:
-            for name in sf.keys():  # noqa: SIM118 (safe_open is not a dict)
-                shapes[name] = tuple(sf.get_slice(name).get_shape())
-    return shapes
-
-
-# ----------------------------------------------------------------------------- many actors
-def parse_ids(text: str) -> list[int]:
-    """"0-3,7" -> [0, 1, 2, 3, 7]."""
-    out: list[int] = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        lo, _, hi = part.partition("-")
-        if not lo.isdigit() or (hi and not hi.isdigit()):
-            raise ValueError(f"--actor-ids: {part!r} is not N or N-M")
-        out += list(range(int(lo), int(hi or lo) + 1))
-    if not out or len(set(out)) != len(out):
-        raise ValueError(f"--actor-ids: {text!r} must name each actor once")
-    return out
-
-
-async def run_simulated_actors(cfg, actor_ids: list[int]) -> None:
-    """Each actor runs the ordinary actor path (``actors.main.run_actor``) as a task."""
-    from actors.main import run_actor
-
-    if cfg.actors.engine != "simulated":
-        raise ValueError(f"actors.engine is {cfg.actors.engine!r}: only simulated actors can "
-                         "share a process")
-    await asyncio.gather(*(run_actor(cfg, i) for i in actor_ids))
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="actors.engines.sim_engine", description=__doc__.split("\n")[0])
-    parser.add_argument("--config", required=True, help="resolved config.yaml of the run")
-    parser.add_argument("--actor-ids", required=True, help="e.g. 0-63 or 0,2,4")
-    args = parser.parse_args(argv)
-    ids = parse_ids(args.actor_ids)
-    logging.basicConfig(level=logging.INFO,
-                        format=f"%(asctime)s actors{ids[0]}-{ids[-1]} %(name)s %(message)s")
-    from arpo_async.core.config import load_config
-
-    asyncio.run(run_simulated_actors(load_config(args.config), ids))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

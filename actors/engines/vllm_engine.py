@@ -38,6 +38,7 @@ from actors.engines.base import (
     GenResult,
     WeightGate,
     check_weight_names,
+    checkpoint_shapes,
     torch_state_dict,
 )
 
@@ -104,22 +105,6 @@ def _retie_embeddings(worker: Any) -> None:
         head.weight = embed.weight
         if getattr(head, "quant_method", None) is not None:
             head.quant_method.process_weights_after_loading(head)
-
-
-def _checkpoint_shapes(model_path: str) -> dict[str, tuple] | None:
-    """Tensor names and shapes of a local safetensors checkpoint (None for a hub name or
-    another format: updates are then not checked before they reach vLLM)."""
-    files = sorted(Path(model_path).glob("*.safetensors")) if Path(model_path).is_dir() else []
-    if not files:
-        return None
-    from safetensors import safe_open
-
-    shapes = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            for name in sf.keys():  # noqa: SIM118 (safe_open is not a dict)
-                shapes[name] = tuple(sf.get_slice(name).get_shape())
-    return shapes
 
 
 def _top_k(entry: dict, k: int) -> list[float]:
@@ -201,7 +186,7 @@ class VLLMEngine:
         # so that close() can release it (a finished frame here kept it alive).
         engine = cls(AsyncLLM.from_engine_args(args), dtype, max_model_len, max_logprobs,
                      enable_prefix_caching, version)
-        engine._expected = _checkpoint_shapes(model_path)
+        engine._expected = checkpoint_shapes(model_path)
         engine.nccl_workers = tensor_parallel
         try:
             await engine.generate(GenRequest(prompt_tokens=[0, 1], max_tokens=2, logprobs_topk=1))

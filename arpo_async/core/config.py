@@ -9,11 +9,15 @@ config once and writes it to ``run_dir/config.yaml``; every process reads that f
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+
+from arpo_async.core.loss_settings import LossSettings
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "default.yaml"  # the whole job (pipeline): SFT, ARPO, eval
@@ -68,7 +72,18 @@ class ActorsConfig(_Section):
         True, description="GPU: vLLM captures CUDA graphs for decoding (faster decode, slower "
         "start-up); CPU engines always run eager")
     threads: int = Field(1, ge=1, description="CPU threads per actor engine")
-    heartbeat_s: float = Field(2.0, description="seconds between actor heartbeats")
+    heartbeat_s: float = Field(
+        0.2, gt=0, description="seconds between actor heartbeats (stats, data position; an actor "
+        "silent for learner.actor_silent_s loses its tickets)")
+    capacity_retry_s: float = Field(
+        0.02, ge=0, description="seconds an actor waits before asking for a ticket again after "
+        "a capacity refusal (tickets free up as the learner trains)")
+    refusal_retry_s: float = Field(
+        0.2, ge=0, description="seconds an actor waits before asking again after any other "
+        "refusal (fair share, waiting for the other actors)")
+    max_logprobs: int = Field(
+        20, ge=1, description="most top log-probs one request may ask for (vLLM max_logprobs); "
+        "raised to sampling.logprobs_topk when smaller")
     max_restarts: int = Field(3, ge=0, description="restarts of a dead actor before giving up")
     restart_backoff_s: float = Field(
         2.0, ge=0, description="delay before restarting a dead actor (or learner), seconds; "
@@ -100,30 +115,41 @@ class RolloutConfig(_Section):
     threshold_mode: bool = Field(False, description="branch deterministically when P >= threshold")
     branch_threshold: float = Field(0.5, description="tau of threshold mode")
     tool_call_limit: int = Field(3, ge=0, description="T: tool calls per trajectory")
+    branch_seed: int = Field(
+        1000, description="actor i's branching generator is seeded with [run.seed, branch_seed + i]"
+        " (apart from its engine's sampling seed, run.seed + i)")
     # AEPO switches
     aepo_dynamic_budget: bool = Field(True, description="AEPO: entropy-balanced budget split")
     aepo_budget_beta: float = Field(1.0, description="AEPO: sigmoid slope of the budget split")
     aepo_branch_penalty: float = Field(0.05, description="AEPO: P *= 1 - penalty*l after l branches")
 
 
-class LossConfig(_Section):
-    eps_low: float = Field(0.2, description="PPO clip below 1")
-    eps_high: float = Field(0.28, description="PPO clip above 1")
-    dual_clip: float = Field(0.0, description="dual-clip constant c for A<0 (0: off; 3 typical)")
+class _LossBase(_Section):
+    """``learner.loss``: the fields of ``LossSettings`` (arpo_async/core/loss_settings.py,
+    the one definition) plus the two the learner reads around the loss."""
+
     proximal: Literal["recompute", "bypass"] = Field(
         "bypass", description="proximal log-probs: learner forward pass, or behaviour log-probs"
     )
-    is_mode: Literal["truncate", "mask", "off"] = Field(
-        "truncate", description="importance weight: truncated, mask outside [lo, hi], or 1"
-    )
-    is_cap: float = Field(2.0, description="C: truncation cap of the IS weight")
-    is_mask_low: float = Field(0.5, description="mask mode: lower bound of exp(prox - mu)")
-    is_mask_high: float = Field(2.0, description="mask mode: upper bound of exp(prox - mu)")
-    kl_coef: float = Field(0.0, description="k3 KL to the reference model (0 in ARPO)")
-    entropy_coef: float = Field(0.0, description="entropy bonus (0 in ARPO)")
     advantage: Literal["soft", "hard"] = Field("soft", description="advantage attribution")
-    aepo_entropy_clip: bool = Field(False, description="AEPO: entropy-balanced clipping")
-    aepo_entropy_adv_gamma: float = Field(0.0, description="AEPO: entropy-aware advantage gamma")
+
+    @model_validator(mode="after")
+    def _valid_settings(self):
+        self.settings()  # LossSettings checks its own ranges
+        return self
+
+    def settings(self) -> LossSettings:
+        """The loss function's settings."""
+        return LossSettings(**{f.name: getattr(self, f.name) for f in dataclasses.fields(LossSettings)})
+
+
+def _loss_fields() -> dict:
+    hints = typing.get_type_hints(LossSettings)
+    return {f.name: (hints[f.name], Field(f.default, description=f.metadata["doc"]))
+            for f in dataclasses.fields(LossSettings)}
+
+
+LossConfig = create_model("LossConfig", __base__=_LossBase, **_loss_fields())
 
 
 class LearnerConfig(_Section):
@@ -299,6 +325,11 @@ class PipelineConfig(_Section):
     sft_steps: int = Field(0, ge=0, description="SFT optimizer steps (0: use sft_time_s)")
     sft_lr: float = Field(2e-3, gt=0, description="SFT peak learning rate (AdamW)")
     sft_batch_size: int = Field(16, ge=1, description="SFT traces per step")
+    sft_warmup_frac: float = Field(
+        0.05, gt=0, lt=1, description="share of the SFT budget (steps or seconds) spent warming the "
+        "learning rate up linearly")
+    sft_min_lr_frac: float = Field(
+        0.1, ge=0, le=1, description="the cosine schedule ends at this fraction of the SFT peak rate")
     threads: int = Field(2, ge=1, description="CPU threads of the SFT and evaluation stages")
     eval_limit: int = Field(300, ge=0, description="held-out prompts evaluated (0: all)")
     eval_k: int = Field(2, ge=1, description="samples per held-out prompt (pass@1 averages them)")
@@ -320,9 +351,6 @@ class Config(_Section):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
 
-    @property
-    def run_dir(self) -> Path:
-        return Path(self.run.dir)
 
     @model_validator(mode="after")
     def _consistent(self) -> "Config":
@@ -397,10 +425,9 @@ def config_from_dict(tree: dict[str, Any]) -> Config:
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(str(path) + ".tmp")
-    tmp.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    tmp.replace(path)
+    from arpo_async.core.files import atomic_write_text
+
+    atomic_write_text(path, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
 
 
 def describe(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:

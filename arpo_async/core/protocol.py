@@ -17,10 +17,13 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
+from enum import Enum, IntEnum
 from typing import Any, ClassVar
 
-import msgpack
 import numpy as np
+
+# msgpack is imported where frames are packed and unpacked, so the pure modules (staleness)
+# can use the protocol's words without the wire format.
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_BYTES = 256 * 2**20
@@ -36,6 +39,59 @@ class ProtocolError(ValueError):
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
+
+
+# ----------------------------------------------------------------------------- words
+
+
+class GrantReason(str, Enum):
+    """Why a ``TicketGrant`` holds fewer tickets than asked for (NONE: all granted).
+    On the wire it is its string value, so older peers read it unchanged."""
+
+    NONE = ""
+    CAPACITY = "capacity"  # the staleness bound (staleness.py): tickets free up as it trains
+    STALE_WEIGHTS = "stale_weights"  # the actor's weights are too old: fetch new ones first
+    STALE_AHEAD = "stale_ahead"  # the actor is ahead of a restarted learner: fetch its weights
+    HELLO_REQUIRED = "hello_required"  # the learner has not met this actor process: say Hello
+    WAITING_FOR_ACTORS = "waiting_for_actors"  # the start gate waits for the other actors
+    FAIR_SHARE = "fair_share"  # this actor holds its share of the staleness window
+    STOPPING = "stopping"  # the run is over (``stop`` is set too)
+
+    @property
+    def needs_weights(self) -> bool:
+        """The actor must fetch the published weights before it asks again."""
+        return self in (GrantReason.STALE_WEIGHTS, GrantReason.STALE_AHEAD)
+
+    @property
+    def busy(self) -> bool:
+        """Tickets free up by themselves as the learner trains: ask again soon."""
+        return self is GrantReason.CAPACITY
+
+
+class AckReason(str, Enum):
+    """The ``Ack.reason`` values a peer acts on; any other reason is a detail to log."""
+
+    HELLO_REQUIRED = "hello_required"  # the learner has not met this actor process
+    BAD_REQUEST = "bad_request"  # a negative actor id or count: refused, counted
+    NO_FAST_WEIGHTS = "no_fast_weights"  # NCCL weights asked of a learner.weight_sync=zmq run
+
+
+class ExitCode(IntEnum):
+    """How a role process (learner, actor) ends, for the supervisor."""
+
+    OK = 0  # finished: the learner ended the run, or reached its steps or time
+    FAILED = 1  # an error: the supervisor restarts the role (with backoff)
+    CONFIG = 2  # bad config or arguments: a restart would fail the same way
+    RESTART = 75  # EX_TEMPFAIL: the process cannot go on (a stuck NCCL group); restart it
+    INTERRUPTED = 130  # Ctrl-C / SIGTERM
+
+
+def reason_of(value: str, kind: type[Enum]) -> Enum | None:
+    """The member of ``kind`` whose value is ``value``, or None for free-text detail."""
+    try:
+        return kind(value)
+    except ValueError:
+        return None
 
 
 # ----------------------------------------------------------------------------- messages
@@ -300,6 +356,8 @@ def encode(msg: Any) -> list[Any]:
     wire = [(n, *_wire_array(n, a, n in bf16)) for n, a in arrays]
     header = {"p": PROTOCOL_VERSION, "kind": kind, "body": body,
               "arrays": [[n, dtype, list(a.shape)] for n, dtype, a in wire]}
+    import msgpack
+
     return ([msgpack.packb(header, use_bin_type=True, default=_plain)]
             + [_array_bytes(a) for _, _, a in wire])
 
@@ -417,6 +475,8 @@ def decode(frames: list, max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
     size = sum(len(memoryview(f).cast("B")) if not isinstance(f, bytes) else len(f)
                for f in frames)
     _check(size <= max_bytes, "too_large", f"{size} bytes > {max_bytes}")
+    import msgpack
+
     try:
         header = msgpack.unpackb(bytes(frames[0]), raw=False, strict_map_key=True)
     except (ValueError, TypeError, msgpack.UnpackException) as exc:  # ExtraData, OutOfData...

@@ -3,7 +3,7 @@
     RUN_DIR/config.yaml        the resolved config every process reads
     RUN_DIR/state.json         the learner's run state after every step (``RUN_STATE``)
     RUN_DIR/processes.json     role -> pid of the launcher's processes
-    RUN_DIR/exits/ROLE.json    how a role process ended: pid and exit code (``record_exit``)
+    RUN_DIR/exits/PID.json     how a role process ended: its exit code (``record_exit``)
     RUN_DIR/checkpoints/       step-NNNNNNNN folders and the ``latest`` pointer
 
 The checkpoint folders themselves are written by learner/checkpoint.py; everyone else only
@@ -86,14 +86,18 @@ def saved_position(run_dir: str | Path, stream: int) -> int:
     return int(value) if isinstance(value, (int, float)) and value >= 0 else 0
 
 
-def record_exit(run_dir: str | Path, role: str, pid: int, code: int) -> None:
-    """Say how role process ``pid`` ended, for a launcher that cannot wait on it (one that
-    adopted the process after ``--resume``): ``RUN_DIR/exits/ROLE.json``."""
-    atomic_write_json(Path(run_dir) / EXITS / f"{role}.json", {"pid": pid, "code": code})
+def record_exit(run_dir: str | Path, pid: int, code: int) -> None:
+    """Say how role process ``pid`` ends, for a launcher that cannot wait on it (one that
+    adopted the process after ``--resume``): ``RUN_DIR/exits/PID.json``."""
+    atomic_write_json(exit_record(run_dir, pid), {"pid": pid, "code": int(code)})
 
 
-def recorded_exit(run_dir: str | Path, role: str, pid: int) -> int | None:
-    """The exit code ``record_exit`` wrote for this very process, else None."""
-    rec = read_json(Path(run_dir) / EXITS / f"{role}.json") or {}
+def exit_record(run_dir: str | Path, pid: int) -> Path:
+    return Path(run_dir) / EXITS / f"{pid}.json"
+
+
+def recorded_exit(run_dir: str | Path, pid: int) -> int | None:
+    """The exit code ``record_exit`` wrote for process ``pid``, else None."""
+    rec = read_json(exit_record(run_dir, pid)) or {}
     code = rec.get("code")
     return code if rec.get("pid") == pid and isinstance(code, int) else None

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from arpo_async.core.protocol import GrantReason
+
 
 def group_lag(learner_version: int, min_version: int) -> int:
     """Versions between the learner and a group's oldest model token."""
@@ -61,9 +63,10 @@ class Admission:
         """Most groups that may have started for weights of ``version``."""
         return (self.max_staleness + version + 1) * self.batch_groups
 
-    def grant(self, requested: int, learner_version: int, actor_version: int) -> tuple[int, str]:
+    def grant(self, requested: int, learner_version: int,
+              actor_version: int) -> tuple[int, GrantReason]:
         """How many of ``requested`` new groups may start now, and why not all ("" when
-        all): "capacity" or "stale_weights"."""
+        all): ``GrantReason.CAPACITY`` or ``GrantReason.STALE_WEIGHTS``."""
         if requested < 0 or learner_version < 0:
             raise ValueError(f"grant: requested={requested}, learner_version="
                              f"{learner_version}; both must be >= 0")
@@ -74,11 +77,11 @@ class Admission:
         by_learner = self.limit(learner_version) - self.started
         by_actor = self.limit(actor_version) - self.started
         n = max(0, min(requested, by_learner, by_actor))
-        reason = ""
+        reason = GrantReason.NONE
         if n < requested:
-            reason = "stale_weights" if by_actor < by_learner and by_actor < requested \
-                else "capacity"
-            self._count[f"denied_{reason}"] += requested - n
+            reason = GrantReason.STALE_WEIGHTS if by_actor < by_learner and by_actor < requested \
+                else GrantReason.CAPACITY
+            self._count[f"denied_{reason.value}"] += requested - n
         self._granted += n
         return n, reason
 

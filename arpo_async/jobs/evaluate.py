@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from arpo_async.core.config import Config, config_from_dict, load_config
+from arpo_async.core.files import atomic_write_json, write_jsonl
 
 PROGRESS_EVERY_S = 10.0
 
@@ -199,15 +200,9 @@ async def evaluate_async(cfg: Config, data: str | Path, k: int = 4, limit: int |
                   if key.endswith(("calls", "executed", "errors", "timeouts", "cache_hits"))},
     }
     if out_dir:
-        _write(work / "items.jsonl", "".join(json.dumps(r) + "\n" for r in items))
-        _write(work / "summary.json", json.dumps(summary, indent=1) + "\n")
+        write_jsonl(work / "items.jsonl", items)
+        atomic_write_json(work / "summary.json", summary)
     return summary
-
-
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def evaluate(cfg: Config, data: str | Path, **kwargs: Any) -> dict:

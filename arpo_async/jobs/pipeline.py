@@ -20,7 +20,6 @@ to the evaluations and the actors (a fresh one, on a new port, after a resume).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import time
@@ -113,6 +112,7 @@ def cold_start_sft(cfg: Config, model_path: str, out: Path) -> dict:
     res = run_sft(model_path, Path(p.data_dir) / "sft.jsonl", out,
                   steps=p.sft_steps or None, time_budget_s=p.sft_time_s or None, lr=p.sft_lr,
                   batch_size=p.sft_batch_size, seed=cfg.run.seed, threads=p.threads,
+                  warmup_frac=p.sft_warmup_frac, min_lr_frac=p.sft_min_lr_frac,
                   max_len=cfg.model.max_model_len, log=lambda s: print(s, flush=True))
     return {k: v for k, v in res.items() if k != "history"}
 
@@ -133,11 +133,11 @@ def run_eval(cfg: Config, model_path: str, retriever_url: str, out: Path) -> dic
 
 def run_rl(cfg: Config, run_dir: Path, sft_path: str, retriever_url: str, quiet: bool) -> dict:
     from arpo_async.core.rundir import latest_checkpoint
-    from arpo_async.launcher.supervisor import launch
+    from arpo_async.jobs.tiny_model import resolve_model_path
+    from arpo_async.launcher.supervisor import LaunchRequest, launch
 
     started = (run_dir / "config.yaml").exists()
-    args = argparse.Namespace(config=None, resume=str(run_dir) if started else None,
-                              quiet=quiet, dry_run=False, overrides=[])
+    args = LaunchRequest(resume=str(run_dir) if started else None, quiet=quiet)
     if retriever_url:
         args.overrides.append(f"tools.retriever_url={retriever_url}")
     if not started:
@@ -147,7 +147,7 @@ def run_rl(cfg: Config, run_dir: Path, sft_path: str, retriever_url: str, quiet:
         save_config(rl_cfg, args.config)
     elif args.resume:
         _say(f"rl: continuing the RL run in {run_dir} from its newest checkpoint")
-    code = launch(args)
+    code = launch(args, model_path=resolve_model_path)
     ckpt = latest_checkpoint(run_dir)
     if code != 0 or ckpt is None:
         raise RuntimeError(f"the RL stage failed (exit code {code}, newest checkpoint "

@@ -32,8 +32,6 @@ from typing import Any
 
 import numpy as np
 
-WARMUP_FRAC = 0.05  # of the budget spent warming the learning rate up
-MIN_LR_FRAC = 0.1  # cosine decays to this fraction of the peak rate
 LOG_EVERY_S = 10.0
 
 
@@ -82,19 +80,14 @@ def load_traces(path: str | Path, tokenizer: Any,
     path = Path(path)
     if not path.is_file():
         raise SFTDataError(f"{path}: file not found")
+    from arpo_async.core.files import iter_jsonl
+
     out = []
-    with path.open(encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise SFTDataError(f"{path}: row {n}: not valid JSON: {exc.msg}") from None
-            ids, mask = encode_trace(tokenizer, row, f"{path}: row {n}")
-            if len(ids) > max_len:
-                raise SFTDataError(f"{path}: row {n}: {len(ids)} tokens > max_len={max_len}")
-            out.append((ids, mask))
+    for n, row in iter_jsonl(path, SFTDataError):
+        ids, mask = encode_trace(tokenizer, row, f"{path}: row {n}")
+        if len(ids) > max_len:
+            raise SFTDataError(f"{path}: row {n}: {len(ids)} tokens > max_len={max_len}")
+        out.append((ids, mask))
     if not out:
         raise SFTDataError(f"{path}: no traces")
     return out
@@ -129,13 +122,14 @@ def masked_lm_loss(logits: Any, ids: Any, mask: Any) -> tuple[Any, dict[str, flo
     return loss, {"tokens": float(weight.sum()), "accuracy": float(hit)}
 
 
-def lr_factor(progress: float) -> float:
-    """Linear warm-up over WARMUP_FRAC of the budget, then cosine to MIN_LR_FRAC."""
+def lr_factor(progress: float, warmup_frac: float = 0.05, min_lr_frac: float = 0.1) -> float:
+    """Linear warm-up over ``warmup_frac`` of the budget, then cosine down to
+    ``min_lr_frac`` of the peak rate (``pipeline.sft_warmup_frac``, ``pipeline.sft_min_lr_frac``)."""
     progress = min(max(progress, 0.0), 1.0)
-    if progress < WARMUP_FRAC:
-        return max(progress / WARMUP_FRAC, 0.01)
-    cos = 0.5 * (1 + math.cos(math.pi * (progress - WARMUP_FRAC) / (1 - WARMUP_FRAC)))
-    return MIN_LR_FRAC + (1 - MIN_LR_FRAC) * cos
+    if progress < warmup_frac:
+        return max(progress / warmup_frac, 0.01)
+    cos = 0.5 * (1 + math.cos(math.pi * (progress - warmup_frac) / (1 - warmup_frac)))
+    return min_lr_frac + (1 - min_lr_frac) * cos
 
 
 def mean_loss(model: Any, data: list, pad_id: int, batch_size: int = 16) -> float:
@@ -229,7 +223,8 @@ def _train_step(model: Any, opt: Any, ids: Any, mask: Any) -> tuple[float, float
 def run_sft(model_dir: str | Path, data_path: str | Path, out_dir: str | Path,
             steps: int | None = None, time_budget_s: float | None = None, lr: float = 2e-3,
             batch_size: int = 16, seed: int = 0, threads: int = 2, weight_decay: float = 0.0,
-            max_len: int = 512, log: Callable[[str], None] | None = None) -> dict:
+            max_len: int = 512, log: Callable[[str], None] | None = None,
+            warmup_frac: float = 0.05, min_lr_frac: float = 0.1) -> dict:
     """Fine-tune ``model_dir`` on the traces in ``data_path``; save to ``out_dir``.
     Stops after ``steps`` or ``time_budget_s`` seconds of training, whichever comes
     first (at least one must be given); the learning-rate schedule runs over ``steps``
@@ -258,7 +253,8 @@ def run_sft(model_dir: str | Path, data_path: str | Path, out_dir: str | Path,
         if (steps and step >= steps) or (time_budget_s and elapsed >= time_budget_s):
             break
         for group in opt.param_groups:
-            group["lr"] = lr * lr_factor(step / steps if steps else elapsed / time_budget_s)
+            progress = step / steps if steps else elapsed / time_budget_s
+            group["lr"] = lr * lr_factor(progress, warmup_frac, min_lr_frac)
         ids, mask = collate([data[i] for i in batches.next()], pad)
         window.append(_train_step(model, opt, ids, mask))
         step, tokens = step + 1, tokens + ids.numel()

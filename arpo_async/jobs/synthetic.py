@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
+from arpo_async.core.files import atomic_write_json, write_jsonl
 from toolenv.tags import format_result
 from toolenv.tasks.suite import (
     SPLITS,
@@ -126,16 +126,6 @@ async def build_traces(tasks: list[Task], tools: RealTools, concurrency: int = 8
 # ----------------------------------------------------------------------------- files
 
 
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as fh:
-        for row in rows:
-            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    tmp.replace(path)
-
-
 def write_suite(out_dir: str | Path, spec: SuiteSpec = SuiteSpec(), concurrency: int = 8) -> dict:
     """Write corpus.jsonl, sft.jsonl, rl.jsonl, heldout.jsonl and meta.json; returns
     meta (counts, tool settings, timings)."""
@@ -143,22 +133,22 @@ def write_suite(out_dir: str | Path, spec: SuiteSpec = SuiteSpec(), concurrency:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     docs = corpus_rows(make_entities(spec))
-    _write_jsonl(out / "corpus.jsonl", docs)
+    write_jsonl(out / "corpus.jsonl", docs)
     tasks = {s: make_tasks(spec, s) for s in SPLITS}
     for split in ("rl", "heldout"):
-        _write_jsonl(out / f"{split}.jsonl", [t.row() for t in tasks[split]])
+        write_jsonl(out / f"{split}.jsonl", [t.row() for t in tasks[split]])
     t1 = time.perf_counter()
     tools = RealTools(docs, spec.topk, spec.snippet_chars, hide=[out])
     # which traces answer from memory: their own generator, so the tasks do not change
     direct = np.random.default_rng([spec.seed, 9]).random(len(tasks["sft"])) < spec.direct
     traces = asyncio.run(build_traces(tasks["sft"], tools, concurrency, direct.tolist()))
-    _write_jsonl(out / "sft.jsonl", traces)
+    write_jsonl(out / "sft.jsonl", traces)
     meta = {"spec": asdict(spec), "system_prompt": SYSTEM_PROMPT,
             "tools": {"search_topk": spec.topk, "search_snippet_chars": spec.snippet_chars},
             "counts": {"corpus": len(docs), **{s: len(t) for s, t in tasks.items()},
                        "sft_direct": int(direct.sum())},
             "timings_s": {"tasks": round(t1 - t0, 2), "traces": round(time.perf_counter() - t1, 2)}}
-    (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    atomic_write_json(out / "meta.json", meta)
     return meta
 
 
@@ -168,11 +158,6 @@ def chat_texts(traces: list[dict]) -> list[str]:
     uses also occurs in training)."""
     return [f"<|im_start|>system\n{t['system']}<|im_end|>\n<|im_start|>user\n{t['question']}"
             f"<|im_end|>\n<|im_start|>assistant\n{t['response']}<|im_end|>\n" for t in traces]
-
-
-def read_jsonl(path: str | Path) -> list[dict]:
-    with Path(path).open(encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
 
 
 def main(argv: list[str] | None = None) -> None:

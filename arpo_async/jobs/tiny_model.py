@@ -303,6 +303,12 @@ def ensure_model(path: str | Path, cfg_model: Any) -> Path:
     )
 
 
+def resolve_model_path(cfg: Any) -> str:
+    """``model.path`` as the launcher runs it: built here when it does not exist
+    (``ensure_model``); a Hugging Face folder or hub name is used as is."""
+    return str(ensure_model(cfg.model.path, cfg.model))
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Build a tiny random Qwen3 model + tokenizer.")
     ap.add_argument("out_dir")

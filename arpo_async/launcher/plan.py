@@ -186,7 +186,7 @@ def _actor_roles(cfg: Config, config_path: str, python: str) -> list[RoleSpec]:
             ids = f"{first}-{min(first + per, n) - 1}"
             roles.append(RoleSpec(
                 f"actors{ids}", "actor", "localhost", "cpu",
-                (python, "-m", "actors.engines.sim_engine", "--config", config_path, "--actor-ids", ids),
+                (python, "-m", "actors.main", "--config", config_path, "--actor-ids", ids),
                 dict(base), actor_id=first, weights="zmq", log=f"actors{ids}.log"))
         return roles + _remote_roles(cfg)
     slices = actor_gpu_slices(cl.actor_gpus, n, tp, "cluster.actor_gpus") if cuda else [[]] * n

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,8 +38,25 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def resolve(args) -> Config:
-    """Load and fix everything that must be the same in every process."""
+@dataclass
+class LaunchRequest:
+    """What to launch: the arguments of ``python -m arpo_async.launch``, or the pipeline's
+    RL stage."""
+
+    config: str | None = None  # YAML config (None: configs/default.yaml)
+    overrides: list[str] = field(default_factory=list)  # dotted key=value pairs
+    resume: str | None = None  # RUN_DIR to continue
+    quiet: bool = False  # plain log lines, no live panel
+    dry_run: bool = False  # validate only: no model is built, nothing starts
+
+
+ModelResolver = Callable[[Config], str]  # config -> the model folder (or hub name) to run
+
+
+def resolve(args: LaunchRequest, model_path: ModelResolver | None = None) -> Config:
+    """Load and fix everything that must be the same in every process: the ports, and the
+    model folder ``model_path`` gives (the entry point builds the tiny local model there
+    when ``model.path`` does not exist, arpo_async/jobs/tiny_model.py)."""
     if args.resume:
         path = Path(args.resume) / "config.yaml"
         if not path.is_file():
@@ -50,11 +67,9 @@ def resolve(args) -> Config:
     if args.quiet:
         cfg.run.quiet = True
     _check_security(cfg)
-    if not getattr(args, "dry_run", False):  # callers that only need the ports skip the model
-        from arpo_async.jobs.tiny_model import ensure_model
-
+    if model_path is not None and not args.dry_run:
         try:
-            cfg.model.path = str(ensure_model(cfg.model.path, cfg.model))
+            cfg.model.path = model_path(cfg)
         except (FileNotFoundError, ValueError, OSError) as exc:
             raise ConfigError(str(exc).splitlines()[0]) from None
     t = cfg.transport
@@ -119,20 +134,18 @@ class Role:
             return "(no log)"
 
 
-_ACTOR_DONE = re.compile(r"actor \d+ done: \d+ groups sent")
-
-
 class _Adopted:
     """A role process an earlier launcher started (``--resume``), watched by pid like a
-    Popen. Its exit code cannot be read (it is not our child): 0 when ``clean()`` says
-    it finished normally, else -1."""
+    Popen. Its exit status cannot be waited for (it is not our child): the code the role
+    recorded in ``RUN_DIR/exits/PID.json`` (arpo_async/core/rundir.py), else -1."""
 
-    def __init__(self, pid: int, clean=lambda: False):
-        self.pid, self.returncode, self.clean = pid, None, clean
+    def __init__(self, pid: int, code: Callable[[], int | None] = lambda: None):
+        self.pid, self.returncode, self.code = pid, None, code
 
     def poll(self) -> int | None:
         if self.returncode is None and not _alive(self.pid):
-            self.returncode = 0 if self.clean() else -1
+            code = self.code()
+            self.returncode = -1 if code is None else code
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -163,6 +176,7 @@ def _cmdline(pid: int) -> list[str]:
 def _adopt(roles: list[Role], run_dir: Path, events: Events) -> None:
     """--resume: take over the roles of processes.json that still run the same command."""
     from arpo_async.core.files import read_json
+    from arpo_async.core.rundir import exit_record, recorded_exit
 
     pids = read_json(run_dir / "processes.json") or {}
     for role in roles:
@@ -176,8 +190,8 @@ def _adopt(roles: list[Role], run_dir: Path, events: Events) -> None:
             continue
         if _cmdline(pid)[1:] != role.cmd[1:]:  # the pid now belongs to something else
             continue
-        # an actor that stopped because the learner said so logs "... done: N groups sent"
-        role.proc = _Adopted(pid, clean=lambda r=role: _ACTOR_DONE.search(r.tail(20)) is not None)
+        exit_record(run_dir, pid).unlink(missing_ok=True)  # a record of an older process
+        role.proc = _Adopted(pid, code=lambda p=pid: recorded_exit(run_dir, p))
         role.history.append({"event": "adopt", "pid": pid, "time": time.time()})
         events.log("adopt", role.name, pid=pid)
 
@@ -239,8 +253,8 @@ def _raise_terminated(signum, frame) -> None:
     raise Terminated(signal.Signals(signum).name)
 
 
-def launch(args) -> int:
-    cfg = resolve(args)
+def launch(args: LaunchRequest, model_path: ModelResolver | None = None) -> int:
+    cfg = resolve(args, model_path)
     run_dir = Path(cfg.run.dir)
     config_path = run_dir / "config.yaml"
     specs = process_plan(cfg, config_path, master_port=_master_port(cfg))
@@ -378,10 +392,10 @@ def _watch(cfg: Config, roles: list[Role], progress, run_dir: Path,
 
 
 def _write_processes(run_dir: Path, roles: list[Role]) -> None:
-    data = {r.name: r.proc.pid for r in roles if r.proc is not None}
-    tmp = run_dir / "processes.json.tmp"
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(run_dir / "processes.json")
+    from arpo_async.core.files import atomic_write_json
+
+    atomic_write_json(run_dir / "processes.json",
+                      {r.name: r.proc.pid for r in roles if r.proc is not None})
 
 
 def _summary(cfg: Config, roles: list[Role], status: str, reason: str, wall: float) -> dict:

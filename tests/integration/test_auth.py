@@ -49,11 +49,9 @@ def test_a_non_loopback_bind_without_keys_is_refused_at_start(tmp_path):
 
 
 def test_insecure_true_is_allowed_with_a_warning(tmp_path, capsys):
-    from argparse import Namespace
+    from arpo_async.launcher.supervisor import LaunchRequest, resolve
 
-    from arpo_async.launcher.supervisor import resolve
-
-    args = Namespace(resume=None, config=None, quiet=True, dry_run=True, overrides=[
+    args = LaunchRequest(quiet=True, dry_run=True, overrides=[
         f"run.dir={tmp_path / 'run'}", "transport.host=0.0.0.0", "transport.insecure=true"])
     cfg = resolve(args)
     assert cfg.transport.insecure and cfg.transport.trajectory_port > 0

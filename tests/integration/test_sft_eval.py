@@ -17,6 +17,7 @@ from actors.engines.base import GenRequest
 from actors.engines.endpoint_engine import EndpointEngine
 from actors.engines.hf_engine import HFEngine
 from arpo_async.core.config import config_from_dict
+from arpo_async.core.files import read_jsonl
 from arpo_async.jobs import synthetic as syn
 from arpo_async.jobs.evaluate import evaluate, evaluate_async
 from arpo_async.jobs.sft import encode_trace, load_traces, masked_lm_loss, mean_loss, run_sft
@@ -41,7 +42,7 @@ def suite(tmp_path_factory) -> Path:
 def base_model(suite, tmp_path_factory) -> Path:
     from arpo_async.jobs.tiny_model import build_tiny_model
 
-    traces = syn.read_jsonl(suite / "sft.jsonl")
+    traces = read_jsonl(suite / "sft.jsonl")
     return build_tiny_model(tmp_path_factory.mktemp("m") / "base", hidden=64, layers=2,
                             heads=2, vocab=1024, corpus=syn.chat_texts(traces))
 
@@ -72,7 +73,7 @@ def _cfg(model: Path, **extra) -> object:
 
 
 def test_tool_tokens_are_masked_and_model_tokens_are_not(suite, tokenizer):
-    trace = next(t for t in syn.read_jsonl(suite / "sft.jsonl") if t["kind"] == "combo")
+    trace = next(t for t in read_jsonl(suite / "sft.jsonl") if t["kind"] == "combo")
     ids, mask = encode_trace(tokenizer, trace)
     decode = lambda sel: tokenizer.decode(sel, skip_special_tokens=False)  # noqa: E731
     n_prompt = mask.index(1)

@@ -129,7 +129,7 @@ def test_errors_name_the_field():
 
 
 def test_from_config_and_empty_mask():
-    s = LossSettings.from_config(LossConfig(dual_clip=3.0, aepo_entropy_clip=True))
+    s = LossConfig(dual_clip=3.0, aepo_entropy_clip=True).settings()
     assert s.dual_clip == 3.0 and s.aepo_entropy_clip and s.eps_high == 0.28
     inp = _inputs([0.3, -0.2], [0.0, 0.0], [1.0, -1.0], mask=[0.0, 0.0])
     loss, m = policy_loss(inp, s)

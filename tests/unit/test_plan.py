@@ -196,6 +196,6 @@ def test_simulated_actors_share_processes_as_the_sim_engine_expects():
     cfg = cfg_of(actors={"num": 5, "engine": "simulated"}, sim={"actors_per_process": 2})
     roles = plan(cfg, CFG_PATH, python="PY")[1:]
     assert [r.name for r in roles] == ["actors0-1", "actors2-3", "actors4-4"]
-    assert roles[1].argv == ("PY", "-m", "actors.engines.sim_engine", "--config", CFG_PATH,
+    assert roles[1].argv == ("PY", "-m", "actors.main", "--config", CFG_PATH,
                              "--actor-ids", "2-3")
     assert [r.log for r in roles] == ["actors0-1.log", "actors2-3.log", "actors4-4.log"]

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from actors.engines.base import GenRequest
-from actors.engines.sim_engine import EntropyTable, SimulatedEngine, load_vocab, parse_ids
+from actors.engines.sim_engine import EntropyTable, SimulatedEngine, load_vocab
+from actors.main import parse_ids
 from arpo_async.core.config import SPINE_CONFIG, load_config
 from arpo_async.core.entropy import entropy_from_topk, window_entropy
 from toolenv.tags import find_tool_call
@@ -207,7 +208,7 @@ def test_launcher_groups_simulated_actors(tmp_path):
                                  "sim.actors_per_process=2", f"run.dir={tmp_path}"])
     roles = plan(cfg, tmp_path / "config.yaml")
     assert [r.name for r in roles] == ["learner", "actors0-1", "actors2-3", "actors4-4"]
-    assert roles[3].cmd[1:] == ["-m", "actors.engines.sim_engine", "--config",
+    assert roles[3].cmd[1:] == ["-m", "actors.main", "--config",
                                 str(tmp_path / "config.yaml"), "--actor-ids", "4-4"]
     cfg.actors.engine = "vllm"  # real engines: one process per actor, whatever sim says
     assert [r.name for r in plan(cfg, tmp_path / "c.yaml")][1:] == [f"actor{i}" for i in range(5)]

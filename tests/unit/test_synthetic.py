@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from arpo_async.core.files import read_jsonl
 from arpo_async.jobs import synthetic as syn
 from toolenv.tags import format_result, validate_format
 from toolenv.tasks import suite as gen
@@ -157,7 +158,7 @@ def test_traces_are_well_formed_and_score_full_marks(suite):
     from toolenv.tasks.data import Example
     from toolenv.tasks.rewards import TWO_TOOL_BONUS, score_response
 
-    traces = syn.read_jsonl(suite / "sft.jsonl")
+    traces = read_jsonl(suite / "sft.jsonl")
     assert {t["kind"] for t in traces} == set(gen.KINDS)
     for t in traces:
         assert t["response"] == "".join(s["text"] for s in t["segments"])
@@ -178,7 +179,7 @@ def test_every_tool_output_equals_the_live_tools(suite):
     from toolenv.search import SearchTool
     from toolenv.tags import find_tool_call
 
-    traces = syn.read_jsonl(suite / "sft.jsonl")
+    traces = read_jsonl(suite / "sft.jsonl")
 
     async def check() -> int:
         runner, url = await start_retriever(suite / "corpus.jsonl")

@@ -10,13 +10,14 @@ explicitly, and a row that cannot be used raises ``DataError`` naming the file a
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from arpo_async.core.files import iter_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -94,25 +95,11 @@ def _kind_from_name(name: str) -> str | None:
 def _read_rows(path: Path) -> Iterator[tuple[int, dict]]:
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".ndjson"):
-        yield from _read_jsonl(path)
+        yield from iter_jsonl(path, DataError)
     elif suffix == ".parquet":
         yield from _read_parquet(path)
     else:
         raise DataError(f"{path}: unsupported file type {suffix!r} (expected .jsonl or .parquet)")
-
-
-def _read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
-    with path.open(encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}: row {n}: not valid JSON: {exc.msg}") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}: row {n}: expected a JSON object, got {type(row).__name__}")
-            yield n, row
 
 
 def _read_parquet(path: Path) -> Iterator[tuple[int, dict]]:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from toolenv.tags import last_boxed
+
 ARITH_SYSTEM = "Answer with the final number in \\boxed{}."
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -30,21 +32,9 @@ class Prompt:
     meta: dict = field(default_factory=dict)
 
 
-def _last_boxed(text: str) -> str | None:
-    i = text.rfind("\\boxed{")
-    if i < 0:
-        return None
-    depth, j = 1, i + len("\\boxed{")
-    for k in range(j, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[k], 0)
-        if depth == 0:
-            return text[j:k]
-    return None
-
-
 def arith_score(response: str, answers: list[str]) -> float:
     """1.0 when the final number equals the gold answer, else 0.0."""
-    boxed = _last_boxed(response)
+    boxed = last_boxed(response)
     found = _NUMBER.findall(boxed if boxed is not None else response)
     return 1.0 if found and found[-1] in answers else 0.0
 
