@@ -148,7 +148,7 @@ class Actor:
                 self.stop = True
                 break
             if not grant.granted:
-                reason = P.reason_of(grant.reason, P.GrantReason)
+                reason = P.GrantReason.of(grant.reason)
                 if reason is P.GrantReason.HELLO_REQUIRED:
                     pass  # _request said hello; ask again
                 elif reason is not None and reason.needs_weights:

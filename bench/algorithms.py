@@ -88,11 +88,11 @@ def learner_times(args, model: str, groups) -> dict:
 
     from arpo_async.core.config import config_from_dict
     from learner.batching import samples_from_groups
-    from learner.main import _init_distributed
+    from learner.dist import init_distributed
     from learner.trainer import PolicyTrainer
 
     torch.set_num_threads(1)
-    _init_distributed()
+    init_distributed()
     samples, _ = samples_from_groups(groups, "soft")
     variants = {"recompute": {"proximal": "recompute", "is_mode": "truncate"},
                 "bypass": {"proximal": "bypass", "is_mode": "truncate"},

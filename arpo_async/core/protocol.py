@@ -22,8 +22,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-# msgpack is imported where frames are packed and unpacked, so the pure modules (staleness)
-# can use the protocol's words without the wire format.
+# msgpack is imported in encode/decode: pure modules may use the words without the wire.
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_BYTES = 256 * 2**20
@@ -57,6 +56,11 @@ class GrantReason(str, Enum):
     FAIR_SHARE = "fair_share"  # this actor holds its share of the staleness window
     STOPPING = "stopping"  # the run is over (``stop`` is set too)
 
+    @classmethod
+    def of(cls, value: str) -> GrantReason | None:
+        """The reason a peer sent, or None for one this version does not know."""
+        return cls._value2member_map_.get(value)
+
     @property
     def needs_weights(self) -> bool:
         """The actor must fetch the published weights before it asks again."""
@@ -84,14 +88,6 @@ class ExitCode(IntEnum):
     CONFIG = 2  # bad config or arguments: a restart would fail the same way
     RESTART = 75  # EX_TEMPFAIL: the process cannot go on (a stuck NCCL group); restart it
     INTERRUPTED = 130  # Ctrl-C / SIGTERM
-
-
-def reason_of(value: str, kind: type[Enum]) -> Enum | None:
-    """The member of ``kind`` whose value is ``value``, or None for free-text detail."""
-    try:
-        return kind(value)
-    except ValueError:
-        return None
 
 
 # ----------------------------------------------------------------------------- messages

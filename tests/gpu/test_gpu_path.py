@@ -101,13 +101,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from arpo_async.core.config import config_from_dict
-from learner import main as M
+from learner.dist import init_distributed
 from learner.batching import LeafSample
 
 model = sys.argv[1]
 cfg = config_from_dict({"cluster": {"device": "cuda"}, "model": {"path": model,
                         "dtype": "bfloat16"}, "learner": {"lr": 0.01}})
-M._init_distributed(cfg)
+init_distributed(cfg)
 from learner.trainer import PolicyTrainer
 trainer = PolicyTrainer(cfg, model)
 before = trainer.full_state()

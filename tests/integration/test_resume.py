@@ -29,11 +29,12 @@ import sys
 from pathlib import Path
 import numpy as np
 from arpo_async.core.config import SPINE_CONFIG as SPINE, load_config
-from learner import main as M
+from learner import loop as M
+from learner.dist import init_distributed
 from learner.batching import LeafSample, balanced_split
 
 mode, run_dir, model, zero = sys.argv[1], Path(sys.argv[2]), sys.argv[3], sys.argv[4]
-M._init_distributed()
+init_distributed()
 import torch.distributed as dist
 rank, world = dist.get_rank(), dist.get_world_size()
 cfg = load_config(SPINE, [f"run.dir={run_dir}", f"model.path={model}", f"learner.zero_stage={zero}",
@@ -56,10 +57,10 @@ out = {}
 if mode == "save":
     step(1); step(2)
     out = {"at_save/" + k: v for k, v in trainer.full_state().items()}
-    M._checkpoint(cfg, trainer, rank, world, 2,
+    M.write_checkpoint(cfg, trainer, rank, world, 2,
                   {"step": 2, "policy_version": 2, "world_size": world, "zero_stage": int(zero)})
 elif mode == "resume":
-    assert M._resume_point(cfg, trainer, rank, world, run_dir)["step"] == 2
+    assert M.resume_point(cfg, trainer, rank, world, run_dir)["step"] == 2
 else:  # weights only: what a resume without the optimizer state would give
     from arpo_async.core.rundir import latest_checkpoint
     trainer.engine.load_checkpoint(str(latest_checkpoint(run_dir)), tag="deepspeed",

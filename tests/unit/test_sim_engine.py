@@ -86,7 +86,11 @@ async def test_round_ends_in_a_parsable_tool_call(tiny_model_dir, vocab, tokeniz
     assert res.finish_reason == "stop" and res.stop_reason == close and res.tokens[-1] == close
     call = find_tool_call(tokenizer.decode(res.tokens, skip_special_tokens=False))
     assert call is not None and call.name == "python" and call.args.startswith("print(")
-    assert eval(call.args.removeprefix("print"), {}) >= 0  # "print(a+b)": valid Python
+    # "print(a+b)", both terms drawn from [0, 100) (sim_engine._tool_call): valid Python
+    a, _, b = call.args.removeprefix("print(").removesuffix(")").partition("+")
+    assert call.args == f"print({a}+{b})" and a.isdigit() and b.isdigit(), call.args
+    assert int(a) < 100 and int(b) < 100, call.args
+    assert eval(call.args.removeprefix("print"), {}) == int(a) + int(b)
     # the tool's closing tag is not a stop of this request: no tool call is made
     res = await eng.generate(GenRequest([1, 2, 3], 200, stop_token_ids=[vocab.eos], seed=4))
     assert close not in res.tokens

@@ -1,0 +1,248 @@
+"""The learner's loop, one rank of it, as named steps:
+
+    collect     rank 0 takes B admissible groups, attributes advantages and splits the
+                leaves over the ranks (balanced by tokens); every rank gets its part
+    train       one importance-corrected optimizer step (learner/trainer.py)
+    publish     every ``learner.sync_every`` steps, the new weights with their version
+    checkpoint  every ``learner.checkpoint_every`` steps (and at the end), atomically
+    record      ``RUN_DIR/state.json`` (the run state, atomically) and one metrics line
+
+The run ends at ``learner.max_steps`` or when ``run.time_limit_s`` is up; rank 0 then
+stops the actors and writes ``RUN_DIR/learner_summary.json`` with the exact ledger.
+
+Resume (``--resume``): the newest complete checkpoint (learner/checkpoint.py) gives the
+weights, optimizer state, step = policy version, ledger and data positions; the restored
+version is published at once so that running actors roll back to it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+from learner.dist import broadcast, init_distributed, scatter
+
+log = logging.getLogger("learner")
+
+
+def resume_point(cfg, trainer, rank: int, world: int, run_dir: Path) -> dict | None:
+    """Load the newest checkpoint into ``trainer`` (every rank); its metadata, or None."""
+    from arpo_async.core import rundir as R
+    from learner import checkpoint as C
+
+    ckpt = broadcast(R.latest_checkpoint(run_dir) if rank == 0 else None, rank, world)
+    if ckpt is None:
+        log.warning("--resume: no complete checkpoint in %s; starting from step 0",
+                    R.checkpoints_dir(run_dir))
+        return None
+    meta = C.read_meta(ckpt)
+    saved = (meta.get("world_size"), meta.get("zero_stage"))
+    if saved != (world, cfg.learner.zero_stage):
+        raise RuntimeError(f"{ckpt} was written by {saved[0]} rank(s) at ZeRO-{saved[1]}; "
+                           f"resuming needs the same (now {world} at ZeRO-"
+                           f"{cfg.learner.zero_stage})")
+    trainer.load_checkpoint(ckpt)
+    log.info("resumed from %s: step %d, policy version %d", ckpt, meta["step"],
+             meta["policy_version"])
+    return meta
+
+
+def service_resume(run_dir: Path, meta: dict | None) -> dict | None:
+    """What LearnerService.restore needs: the checkpoint's ledger and, when the learner
+    that died wrote a newer run state, that state's ledger."""
+    from arpo_async.core import files as F
+    from arpo_async.core import rundir as R
+
+    if meta is None:
+        return None
+    state = F.read_json(run_dir / R.RUN_STATE)
+    newer = state.get("ledger") if state and state.get("step", -1) >= meta["step"] else None
+    return {"version": meta["policy_version"], "ledger": meta.get("ledger", {}), "newer": newer}
+
+
+def write_checkpoint(cfg, trainer, rank: int, world: int, step: int, state: dict | None) -> float:
+    """Write the checkpoint of ``step`` (collective); seconds taken."""
+    from learner import checkpoint as C
+
+    t0 = time.perf_counter()
+    run_dir = Path(cfg.run.dir)
+    tmp = broadcast(C.prepare(run_dir, step) if rank == 0 else None, rank, world)
+    trainer.save_checkpoint(tmp, cfg.model.path)
+    if rank == 0:
+        C.commit(run_dir, tmp, step, state, cfg.learner.keep_checkpoints)
+    return time.perf_counter() - t0
+
+
+def metrics_row(service, step: int, groups: list, stats: dict, train: dict) -> dict:
+    """The metrics.jsonl line of a step (timings are added by the loop)."""
+    snap = service.snapshot()
+    lags = [step - 1 - g.min_version() for g in groups]
+    return {"step": step, "policy_version": step,
+            "reward_mean": stats["reward_mean"], "score_mean": stats["score_mean"],
+            "groups": len(groups), "leaves": stats["leaves"],
+            "tokens": sum(g.num_tokens() for g in groups), "model_tokens": stats["model_tokens"],
+            "staleness_max": max(lags), "staleness_mean": sum(lags) / len(lags),
+            "dropped_stale": snap["dropped_stale"], "actors_alive": service.actors_alive(),
+            "tool_calls": sum(g.tool_calls_executed for g in groups),
+            **train, "service": snap}
+
+
+class LearnerLoop:
+    """One learner rank. Rank 0 also runs the service (sockets, admission, ledger) and
+    writes the run's files; the other ranks follow its decisions."""
+
+    def __init__(self, cfg, resume: bool = False):
+        import torch
+
+        from arpo_async.core.keys import server_keys_for
+        from arpo_async.core.metrics import MetricsWriter, probe_sequence
+        from learner.service import LearnerService
+        from learner.trainer import PolicyTrainer
+
+        self.cfg, self.run_dir = cfg, Path(cfg.run.dir)
+        torch.set_num_threads(cfg.learner.threads)
+        torch.manual_seed(cfg.run.seed)
+        init_distributed(cfg)
+        self.rank, self.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        log.info("rank %d/%d: building the DeepSpeed engine (ZeRO-%d)", self.rank, self.world,
+                 cfg.learner.zero_stage)
+        self.trainer = PolicyTrainer(cfg, cfg.model.path)
+        self.meta = (resume_point(cfg, self.trainer, self.rank, self.world, self.run_dir)
+                     if resume else None)
+        model_cfg = self.trainer.engine.module.config
+        self.service = LearnerService(
+            cfg, keys=server_keys_for(cfg), vocab_size=model_cfg.vocab_size,
+            max_tokens=getattr(model_cfg, "max_position_embeddings", None),
+            resume=service_resume(self.run_dir, self.meta)) if self.rank == 0 else None
+        self.writer = MetricsWriter(self.run_dir) if self.rank == 0 else None
+        self.probe = probe_sequence(model_cfg.vocab_size)
+        meta = self.meta or {}
+        self.step = self.first_step = meta.get("step", 0)
+        self.restarts = meta.get("learner_restarts", 0) + 1 if self.meta else 0
+        self.t_start = time.time() - meta.get("wall_time", 0.0)
+        self.broadcast_s = 0.0
+        self.state: dict | None = None
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> dict:
+        self.publish(self.step)  # a resumed learner serves its restored version to the actors
+        if self.service is not None:
+            log.info("learner ready at step %d: trajectories on %s, control on %s", self.step,
+                     self.service.receiver.endpoint, self.service.control.endpoint)
+        while self.step < self.cfg.learner.max_steps:
+            t0 = time.perf_counter()
+            batch = self.collect()
+            if batch is None:
+                log.info("time limit reached after %d steps", self.step)
+                break
+            part, groups, stats = batch
+            wait_s = time.perf_counter() - t0
+            train = self.train(part, groups)
+            if self._due(self.cfg.learner.sync_every):
+                self.broadcast_s = self.publish(self.step)
+            self.state = self.run_state()
+            due = self._due(self.cfg.learner.checkpoint_every)
+            checkpoint_s = self.checkpoint() if due else 0.0
+            self.record(groups, stats, train, {
+                "wait_s": wait_s, "step_time_s": time.perf_counter() - t0,
+                "broadcast_time_s": self.broadcast_s, "checkpoint_time_s": checkpoint_s})
+        every = self.cfg.learner.checkpoint_every
+        if every and self.step % every and self.first_step < self.step < self.cfg.learner.max_steps:
+            self.checkpoint()  # the time limit ended the run between checkpoints: keep it too
+        return self.finish()
+
+    # ------------------------------------------------------------------ the steps
+    def collect(self):
+        """(this rank's part, the groups, their statistics), or None when the run is over."""
+        from learner.batching import balanced_split, samples_from_groups
+
+        parts, stats, groups = None, {}, []
+        if self.rank == 0:
+            lc = self.cfg.learner
+            groups = [] if self.time_up() else self.service.collect(
+                lc.batch_groups, lc.wait_timeout_s, self.time_up)
+            if groups:
+                samples, stats = samples_from_groups(groups, lc.loss.advantage)
+                parts = balanced_split(samples, self.world)
+        if not broadcast(bool(groups), self.rank, self.world):
+            return None
+        return scatter(parts, self.rank, self.world), groups, stats
+
+    def train(self, part, groups: list) -> dict:
+        """One optimizer step on this rank's part; the step count moves on."""
+        metrics = self.trainer.train_step(part)
+        self.step += 1
+        if self.service is not None:
+            self.service.mark_trained(groups)
+        return metrics
+
+    def publish(self, version: int) -> float:
+        """Send the weights of ``version`` to the actors; seconds taken."""
+        from arpo_async.core.metrics import append_jsonl
+
+        t0 = time.perf_counter()
+        state = self.trainer.full_state()
+        if self.service is not None:
+            bf16 = list(state) if self.cfg.model.dtype == "bfloat16" else []
+            self.service.publish(version, state, bf16_names=bf16)
+        if self.cfg.run.probe_logprobs:
+            lp = self.trainer.sequence_logprobs(*self.probe)
+            if self.rank == 0:
+                append_jsonl(self.run_dir / "learner_probe.jsonl",
+                             {"version": version, "logprobs": lp})
+        return time.perf_counter() - t0
+
+    def checkpoint(self) -> float:
+        return write_checkpoint(self.cfg, self.trainer, self.rank, self.world, self.step,
+                                self.state)
+
+    def run_state(self) -> dict | None:
+        """Step, version, counters and data positions: RUN_DIR/state.json and checkpoint
+        metadata (rank 0; None elsewhere)."""
+        if self.service is None:
+            return None
+        svc, lc = self.service, self.cfg.learner
+        return {"step": self.step, "policy_version": self.step,
+                "wall_time": time.time() - self.t_start, "time": time.time(),
+                "learner_restarts": self.restarts, "world_size": self.world,
+                "zero_stage": lc.zero_stage, "model_path": self.cfg.model.path,
+                "ledger": svc.ledger_state(), "data_position": svc.data_positions(),
+                "admission": svc.admission.counters(), "staleness": svc.filter.stats()}
+
+    def record(self, groups: list, stats: dict, train: dict, timings: dict) -> None:
+        """The run state and the metrics line of this step (rank 0)."""
+        from arpo_async.core.files import atomic_write_json
+        from arpo_async.core.rundir import RUN_STATE
+
+        if self.service is None:
+            return
+        atomic_write_json(self.run_dir / RUN_STATE, self.state, sort_keys=True)
+        self.writer.write(metrics_row(self.service, self.step, groups, stats, train) | {
+            "wall_time": time.time() - self.t_start, **timings,
+            "learner_restarts": self.restarts})
+
+    def finish(self) -> dict:
+        """Stop the actors, close the files; the run's result (rank 0 writes it)."""
+        from arpo_async.core.files import atomic_write_json
+
+        result = {"steps": self.step, "wall_time_s": time.time() - self.t_start,
+                  "learner_restarts": self.restarts,
+                  "resumed_from": self.meta["step"] if self.meta else None}
+        if self.service is not None:
+            result["ledger"] = self.service.shutdown(wait_s=self.cfg.transport.timeout_s)
+            result["service"] = self.service.snapshot()
+            self.writer.close()
+            atomic_write_json(self.run_dir / "learner_summary.json", result, sort_keys=True)
+        return result
+
+    # ------------------------------------------------------------------ helpers
+    def time_up(self) -> bool:
+        limit = self.cfg.run.time_limit_s
+        return limit > 0 and time.time() - self.t_start > limit
+
+    def _due(self, every: int) -> bool:
+        """Every ``every`` steps (0: never) and at the last step."""
+        return bool(every) and (self.step % every == 0
+                                or self.step == self.cfg.learner.max_steps)
