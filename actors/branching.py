@@ -4,7 +4,7 @@ One ``BranchPlanner`` per prompt group decides, from round entropies the rollout
 it, when a trajectory forks and how many fresh global samples to start. It never sees
 tokens: the rollout owns them and records each leaf's parent and branch point.
 
-The rules (DESIGN.md "ARPO, precisely"; ARPO arXiv 2507.19849 Sec. 3.2):
+The rules (docs/design.md "ARPO branching"; ARPO arXiv 2507.19849 Sec. 3.2):
 
 1. Start N global samples (``start()``); budget M leaves in total.
 2. H_init is the window entropy of a trajectory's first round, recorded per

@@ -2,7 +2,7 @@
 
 ARPO (arXiv 2507.19849, Sec. 3.3 "advantage attribution estimation") scores the M leaves
 of a group with GRPO's group-normalised reward, A_i = (R_i - mean(R)) / (std(R) + 1e-6),
-and offers two ways to hand it to tokens (DESIGN.md "Advantage attribution"):
+and offers two ways to hand it to tokens (docs/design.md "Advantage attribution"):
 
 * soft (the paper's default; plain GRPO when nothing branched): every model token of leaf
   i gets A_i. A shared prefix is trained once per leaf that contains it.

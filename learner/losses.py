@@ -8,7 +8,7 @@ Three policies, named as in AReaL's decoupled PPO loss:
 * ``behaviour_logprobs``: mu, what the actor sampled with (older weights, and an
   inference engine whose numerics differ from the trainer's).
 
-Per model token t (docs/design.md, "Importance-corrected loss"):
+Per model token t (docs/design.md, "The importance-corrected loss"):
 
     r_t = exp(logpi_t - prox_t)
     w_t = min(exp(prox_t - mu_t), C)                       is_mode "truncate"

@@ -6,7 +6,7 @@ Every rank runs the same number of forward/backward calls per step (empty micro-
 are padded with a one-token batch of zero weight) because ZeRO-3 gathers parameters
 collectively. The loss of each micro-batch is normalised by the model-token count of the
 whole step across all ranks, so micro-batching and world size do not change the
-gradient (token-mean aggregation, DESIGN.md "Importance-corrected loss").
+gradient (token-mean aggregation, docs/design.md "The importance-corrected loss").
 """
 
 from __future__ import annotations

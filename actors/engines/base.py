@@ -1,6 +1,7 @@
 """The generation-engine interface every actor talks to.
 
-Engines are wired by config (``actors.engine``, the factory in actors/engines/__init__.py): vLLM (default; the async engine, so many
+Engines are wired by config (``actors.engine``, the factory in actors/engines/__init__.py):
+vLLM (default; the async engine, so many
 rollouts share one batch), transformers (machines without vLLM), or a simulated engine
 (throughput experiments). Token in, token out: a request is a list of token ids and the
 result is the sampled ids with their behaviour log-probs, so nothing is re-tokenised.

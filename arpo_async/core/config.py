@@ -140,7 +140,8 @@ class _LossBase(_Section):
 
     def settings(self) -> LossSettings:
         """The loss function's settings."""
-        return LossSettings(**{f.name: getattr(self, f.name) for f in dataclasses.fields(LossSettings)})
+        names = [f.name for f in dataclasses.fields(LossSettings)]
+        return LossSettings(**{name: getattr(self, name) for name in names})
 
 
 def _loss_fields() -> dict:
@@ -326,10 +327,11 @@ class PipelineConfig(_Section):
     sft_lr: float = Field(2e-3, gt=0, description="SFT peak learning rate (AdamW)")
     sft_batch_size: int = Field(16, ge=1, description="SFT traces per step")
     sft_warmup_frac: float = Field(
-        0.05, gt=0, lt=1, description="share of the SFT budget (steps or seconds) spent warming the "
-        "learning rate up linearly")
+        0.05, gt=0, lt=1, description="share of the SFT budget (steps or seconds) spent "
+        "warming the learning rate up linearly")
     sft_min_lr_frac: float = Field(
-        0.1, ge=0, le=1, description="the cosine schedule ends at this fraction of the SFT peak rate")
+        0.1, ge=0, le=1,
+        description="the cosine schedule ends at this fraction of the SFT peak rate")
     threads: int = Field(2, ge=1, description="CPU threads of the SFT and evaluation stages")
     eval_limit: int = Field(300, ge=0, description="held-out prompts evaluated (0: all)")
     eval_k: int = Field(2, ge=1, description="samples per held-out prompt (pass@1 averages them)")

@@ -2,9 +2,9 @@
 
 ARPO (arXiv 2507.19849, Sec. 3.2 "entropy variation monitoring") measures the entropy of
 the first k tokens a round generates, H = -sum_j p_j log p_j with p = softmax(z / T), and
-compares it with the trajectory's initial entropy. DESIGN.md normalises it to [0, 1]:
-divide by log V for the full distribution, or by log of the number of candidates when it
-is estimated from top-k log-probs.
+compares it with the trajectory's initial entropy. docs/design.md ("Round entropy")
+normalises it to [0, 1]: divide by log V for the full distribution, or by log of the
+number of candidates when it is estimated from top-k log-probs.
 
 Three estimators:
 

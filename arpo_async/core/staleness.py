@@ -2,7 +2,7 @@
 
 Versions: the learner's version v is the number of optimizer steps taken; every token
 carries the version of the weights that sampled it. A group's lag when it is trained is
-v - min_t v_t over its model tokens (DESIGN.md "Staleness", after AReaL's bounded
+v - min_t v_t over its model tokens (docs/design.md "Staleness and admission", after AReaL's bounded
 staleness eta).
 
 Admission (``Admission``, in the learner, rank 0): the learner hands out tickets to

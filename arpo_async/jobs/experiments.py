@@ -9,8 +9,8 @@ per-run series) and four plots in ``DIR/plots/``: throughput vs actors, learner
 utilisation vs actors, staleness histogram, reward vs wall-clock per setting.
 ``--max-staleness 0`` is the synchronous baseline: admission control then lets actors
 start a batch only once the learner has published the weights of the previous step
-(lockstep generation, DESIGN.md "Staleness"). ``--simulate`` uses the simulated engine
-(``actors.engine=simulated``; all actors of a run in one process unless
+(lockstep generation, docs/design.md "Staleness and admission"). ``--simulate`` uses the
+simulated engine (``actors.engine=simulated``; all actors of a run in one process unless
 ``sim.actors_per_process`` is given), so large actor counts fit on one machine.
 
 What the columns mean (``summarize_run``; the first learner step includes start-up, so

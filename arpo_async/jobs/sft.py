@@ -124,7 +124,8 @@ def masked_lm_loss(logits: Any, ids: Any, mask: Any) -> tuple[Any, dict[str, flo
 
 def lr_factor(progress: float, warmup_frac: float = 0.05, min_lr_frac: float = 0.1) -> float:
     """Linear warm-up over ``warmup_frac`` of the budget, then cosine down to
-    ``min_lr_frac`` of the peak rate (``pipeline.sft_warmup_frac``, ``pipeline.sft_min_lr_frac``)."""
+    ``min_lr_frac`` of the peak rate (``pipeline.sft_warmup_frac``,
+    ``pipeline.sft_min_lr_frac``)."""
     progress = min(max(progress, 0.0), 1.0)
     if progress < warmup_frac:
         return max(progress / warmup_frac, 0.01)

@@ -211,7 +211,7 @@ def _simulate(pl: BranchPlanner, driver_seed: int, max_tools: int = 3) -> list[t
 
 
 def _reference(s: BranchSettings, seed: int, driver_seed: int, max_tools: int = 3) -> list:
-    """DESIGN.md steps 1-5 written out directly, same event order as _simulate."""
+    """docs/design.md "ARPO branching" written out directly, same event order as _simulate."""
     rng, driver = np.random.default_rng(seed), np.random.default_rng(driver_seed)
     h_init, parents, live, leaves, log = {}, [], set(), [], []
     queue: deque = deque()

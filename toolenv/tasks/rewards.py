@@ -1,4 +1,4 @@
-"""Score a finished trajectory with ARPO's rule (DESIGN.md "Rewards").
+"""Score a finished trajectory with ARPO's rule (docs/design.md "Rewards").
 
 -1 when the trajectory is malformed (unbalanced tags, not exactly one answer, no
 ``\\boxed{}``); otherwise correctness in [0, 1], plus 0.1 when the answer is right and
