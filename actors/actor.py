@@ -165,8 +165,9 @@ class Actor:
             pos = self.source.position
             self._in_flight.add(pos)
             group = await self.rollout.run(self.source.next(), self.actor_id)
-            group.stats = {"gen_s": time.time() - group.created_at, "pid": float(os.getpid()),
-                           "data_pos": float(pos)}
+            # the actor's own figures next to the rollout's (branch/*), never instead of them
+            group.stats = {**group.stats, "gen_s": time.time() - group.created_at,
+                           "pid": float(os.getpid()), "data_pos": float(pos)}
             group.sent_at = time.time()
             await self.sender.send(group)
             self._in_flight.discard(pos)

@@ -9,7 +9,8 @@ group's ``BranchPlanner``; a fork copies every token up to and including the too
 result (so the call is not run again) and resamples the round from there.
 
 Entropy comes from the engine's top-k log-probs with the tail-corrected estimate
-(``arpo_async.core.entropy``), normalised by log V.
+(``arpo_async.core.entropy``), normalised by log V per token, and summed over the round's
+first k tokens (``rollout.entropy_reduce``).
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ class AgentRollout:
         path.versions += [res.version] * len(res.tokens)
         path.rounds += 1
         ent = entropy_from_topk(res.top_logprobs, self.vocab) if res.top_logprobs else []
-        h = window_entropy(ent, self.settings.entropy_window) if len(ent) else float("nan")
+        h = (window_entropy(ent, self.settings.entropy_window, self.settings.entropy_reduce)
+             if len(ent) else float("nan"))
         return self.tokenizer.decode(res.tokens, skip_special_tokens=False), h, res.finish_reason
 
     async def _tool(self, path: _Path, name: str, args: str) -> None:

@@ -57,7 +57,8 @@ class BranchSettings:
     group_size: int  # M: leaves per prompt
     initial_samples: int  # N: global samples started first
     branch_factor: int = 1  # Z: forks per branching event
-    entropy_window: int = 20  # k: tokens averaged for a round's entropy (rollout side)
+    entropy_window: int = 20  # k: tokens of a round whose entropy is read (rollout side)
+    entropy_reduce: str = "sum"  # how the k token entropies make the round's: sum | mean
     alpha: float = 0.5  # base branch probability
     beta: float = 0.2  # branch probability per unit of entropy rise
     threshold_mode: bool = False  # branch iff P >= branch_threshold (no random draw)
@@ -65,7 +66,7 @@ class BranchSettings:
     branching: bool = True  # False: plain GRPO sampling, never fork
     aepo_penalty: float = 0.0  # AEPO: P *= 1 - penalty * l after l consecutive branches
     dynamic_budget: bool = False  # AEPO: N comes from aepo_global_samples
-    budget_beta: float = 1.0  # AEPO: slope of the sigmoid budget split
+    budget_beta: float = 0.5  # AEPO: slope of the sigmoid budget split
 
     def __post_init__(self) -> None:
         if self.group_size < 1:
@@ -90,6 +91,7 @@ class BranchSettings:
             initial_samples=m if mode == "grpo" else rollout_cfg.initial_samples,
             branch_factor=rollout_cfg.branch_factor,
             entropy_window=rollout_cfg.entropy_window,
+            entropy_reduce=rollout_cfg.entropy_reduce,
             alpha=rollout_cfg.alpha,
             beta=rollout_cfg.beta,
             threshold_mode=rollout_cfg.threshold_mode,
@@ -155,8 +157,8 @@ class BranchPlanner:
         self._leaves: list[int] = []
         self._count = {"global_samples": 0, "fills": 0, "forks": 0, "tool_rounds": 0,
                        "branch_events": 0, "blocked_by_budget": 0, "entropy_missing": 0}
-        self._p_sum = 0.0
-        self._dh_sum = 0.0
+        self._p_sum = self._p_sq_sum = self._dh_sum = 0.0
+        self._p_min, self._p_max = math.inf, -math.inf
 
     # ------------------------------------------------------------------ queries
     def initial_count(self) -> int:
@@ -206,11 +208,16 @@ class BranchPlanner:
         return self.settings.group_size - len(self._leaves)
 
     def stats(self) -> dict[str, float]:
+        """Counters and the branch probabilities' sums of this group, to be added up
+        across groups (learner/rollout_metrics.py): ``tool_rounds`` decisions, ``p_sum``,
+        ``p_sq_sum``, ``p_min``, ``p_max`` (0 without decisions), ``dh_sum``, means."""
         rounds = self._count["tool_rounds"]
         out = {k: float(v) for k, v in self._count.items()}
         out["leaves"] = float(len(self._leaves))
-        out["p_mean"] = self._p_sum / rounds if rounds else 0.0
-        out["dh_mean"] = self._dh_sum / rounds if rounds else 0.0
+        out |= {"p_sum": self._p_sum, "p_sq_sum": self._p_sq_sum, "dh_sum": self._dh_sum,
+                "p_min": self._p_min if rounds else 0.0, "p_max": self._p_max if rounds else 0.0,
+                "p_mean": self._p_sum / rounds if rounds else 0.0,
+                "dh_mean": self._dh_sum / rounds if rounds else 0.0}
         return out
 
     # ------------------------------------------------------------------ events
@@ -298,6 +305,8 @@ class BranchPlanner:
         self._count["forks"] += n
         self._count["blocked_by_budget"] += 1 if want and n == 0 else 0
         self._p_sum += p
+        self._p_sq_sum += p * p
+        self._p_min, self._p_max = min(self._p_min, p), max(self._p_max, p)
         self._dh_sum += dh
 
     def _check_id(self, traj_id: int) -> None:

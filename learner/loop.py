@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from learner.dist import broadcast, init_distributed, scatter
+from learner.rollout_metrics import rollout_metrics
 
 log = logging.getLogger("learner")
 
@@ -86,7 +87,7 @@ def metrics_row(service, step: int, groups: list, stats: dict, train: dict) -> d
             "staleness_max": max(lags), "staleness_mean": sum(lags) / len(lags),
             "dropped_stale": snap["dropped_stale"], "actors_alive": service.actors_alive(),
             "tool_calls": sum(g.tool_calls_executed for g in groups),
-            **train, "service": snap}
+            **rollout_metrics(groups), **train, "service": snap}
 
 
 class LearnerLoop:

@@ -15,7 +15,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from arpo_async.core.loss_settings import LossSettings
 
@@ -109,7 +117,11 @@ class RolloutConfig(_Section):
     group_size: int = Field(8, ge=1, description="M: trajectories (leaves) per prompt")
     initial_samples: int = Field(4, ge=1, description="N: initial global samples per prompt")
     branch_factor: int = Field(1, ge=1, description="Z: forks per branching event")
-    entropy_window: int = Field(20, ge=1, description="k: tokens averaged for round entropy")
+    entropy_window: int = Field(20, ge=1, description="k: tokens of a round whose entropy is read")
+    entropy_reduce: Literal["sum", "mean"] = Field(
+        "sum", description="round entropy from its first k tokens' normalised entropies: summed "
+        "(the ARPO authors' scale, H in [0, k]) or averaged (H in [0, 1]; dH about k times "
+        "smaller, so P stays near alpha)")
     alpha: float = Field(0.5, description="base branch probability")
     beta: float = Field(0.2, description="branch probability per unit entropy rise")
     threshold_mode: bool = Field(False, description="branch deterministically when P >= threshold")
@@ -120,7 +132,8 @@ class RolloutConfig(_Section):
         " (apart from its engine's sampling seed, run.seed + i)")
     # AEPO switches
     aepo_dynamic_budget: bool = Field(True, description="AEPO: entropy-balanced budget split")
-    aepo_budget_beta: float = Field(1.0, description="AEPO: sigmoid slope of the budget split")
+    aepo_budget_beta: float = Field(0.5, description="AEPO: sigmoid slope of the budget split "
+                                    "(the authors' 0.5)")
     aepo_branch_penalty: float = Field(0.05, description="AEPO: P *= 1 - penalty*l after l branches")
 
 
@@ -132,6 +145,11 @@ class _LossBase(_Section):
         "bypass", description="proximal log-probs: learner forward pass, or behaviour log-probs"
     )
     advantage: Literal["soft", "hard"] = Field("soft", description="advantage attribution")
+
+    @field_validator("is_mode", mode="before", check_fields=False)
+    @classmethod
+    def _off_is_a_word(cls, value):
+        return "off" if value is False else value  # YAML 1.1 reads a bare `off` as false
 
     @model_validator(mode="after")
     def _valid_settings(self):
@@ -194,6 +212,21 @@ class LearnerConfig(_Section):
     gradient_checkpointing: bool = Field(
         False, description="recompute activations in backward: less memory on long sequences, "
         "about a third more compute")
+    packing: Literal["tree", "flat", "padded"] = Field(
+        "padded", description="learner batches: tree (each group one packed sequence, prompt and "
+        "shared prefixes computed once, tree attention mask), flat (leaves concatenated, no "
+        "padding) or padded (one right-padded row per leaf)")
+    max_tokens_per_microbatch: int = Field(
+        16384, ge=0, description="tree/flat packing: tokens per micro-batch at most (a larger "
+        "group gets one of its own); micro-batches = max(micro_batches, what this needs); 0: "
+        "no limit")
+    logprob_chunk_tokens: int = Field(
+        1024, ge=0, description="tree/flat packing: log-probs and entropies over the vocabulary "
+        "this many tokens at a time, recomputed in backward (0: all at once)")
+    packed_attention: Literal["auto", "dense", "tiles", "flex", "varlen"] = Field(
+        "auto", description="tree/flat attention: dense 4D mask (sdpa/eager), tiles (one sdpa "
+        "per segment over its ancestors), flex (FlexAttention block mask, GPU), varlen (flat "
+        "with flash-attention 2); auto: tiles on CPU, flex or varlen on GPU")
     loss: LossConfig = Field(default_factory=LossConfig)
 
 
@@ -236,6 +269,12 @@ class ToolsConfig(_Section):
     python_max_procs: int = Field(32, description="sandbox process limit")
     python_max_output: int = Field(4096, description="characters of tool output kept")
     allow_unsandboxed: bool = Field(False, description="run Python without bubblewrap (unsafe)")
+    python_pool: int = Field(
+        2, ge=0, description="warm Python sandboxes kept ready, count (0: a cold sandbox per "
+        "call); each holds one idle interpreter (~10 MiB plus its preloads)")
+    python_preload: list[str] = Field(
+        default_factory=lambda: ["math"], description="modules each warm sandbox imports "
+        "before its call, names (numpy ~0.1, sympy ~0.25 CPU-s per call, used or not)")
     retriever_url: str = Field("", description="retriever endpoint (POST /retrieve)")
     search_topk: int = Field(3, description="snippets per search")
     search_snippet_chars: int = Field(200, description="characters kept per snippet")
@@ -353,6 +392,24 @@ class Config(_Section):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
 
+    @model_validator(mode="after")
+    def _learnable(self) -> "Config":
+        """Settings that pass every field's check but make the run learn nothing, or
+        learn from biased ratios, are refused here, naming the key."""
+        if self.rollout.group_size < 2:
+            raise ValueError(
+                f"rollout.group_size={self.rollout.group_size}: advantages are normalised "
+                "within a prompt's group (A = (R - mean) / std), so a group of one leaf has "
+                "advantage 0 and the run learns nothing; use 2 or more")
+        loss = self.learner.loss
+        if self.sampling.top_p < 1.0 and (loss.is_mode != "off" or loss.proximal == "recompute"):
+            raise ValueError(
+                f"sampling.top_p={self.sampling.top_p}: the actor records log-probs "
+                "renormalised over the nucleus while the learner computes full-vocabulary ones, "
+                "so the importance weights (learner.loss.is_mode) and recomputed ratios "
+                "(learner.loss.proximal) would be biased; use sampling.top_p=1.0 (ARPO's)")
+        return self
+
 
     @model_validator(mode="after")
     def _consistent(self) -> "Config":
@@ -385,8 +442,13 @@ def _set_dotted(tree: dict, dotted: str, raw: str) -> None:
         if not isinstance(nxt, dict):
             raise ConfigError(f"{dotted}: {part} is not a section")
         node = nxt
-    # YAML parsing gives ints, floats, bools and lists from the command line.
-    node[parts[-1]] = yaml.safe_load(raw) if raw != "" else ""
+    # YAML parsing gives ints, floats, bools and lists from the command line; YAML 1.1's
+    # other booleans (off, on, yes, no) stay words: is_mode=off means "off" (a bool field
+    # still reads them as booleans).
+    value = yaml.safe_load(raw) if raw != "" else ""
+    if isinstance(value, bool) and raw.strip().lower() not in ("true", "false"):
+        value = raw.strip()
+    node[parts[-1]] = value
 
 
 def _format_error(err: ValidationError) -> str:

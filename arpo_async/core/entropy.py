@@ -123,16 +123,25 @@ def entropy_from_topk(top_logprobs: Sequence[Sequence[float]],
     return out
 
 
-def window_entropy(token_entropies: Sequence[float] | np.ndarray, k: int) -> float:
-    """Mean entropy over the first ``k`` tokens of a round (fewer if the round is shorter).
+def window_entropy(token_entropies: Sequence[float] | np.ndarray, k: int,
+                   reduce: str = "sum") -> float:
+    """A round's entropy from its first ``k`` tokens (fewer if the round is shorter):
+    their normalised entropies summed (``reduce="sum"``, the scale of the code behind the
+    ARPO paper's numbers, so H lies in [0, k]) or averaged (``"mean"``, in [0, 1]; dH is
+    then about k times smaller, and with beta = 0.2 the branch probability barely leaves
+    alpha).
 
     nan entries (tokens with no log-probs) are skipped, not counted as 0: a zero would
     look like certainty and lower the baseline. A round with no finite entry in its first
     k tokens (empty round) returns nan, which the branch planner treats as "unknown"
-    (dH = 0). Entropy 0 is a real value and is averaged normally.
+    (dH = 0). Entropy 0 is a real value and is counted normally.
     """
     if k < 1:
         raise ValueError(f"window_entropy: k={k}; need >= 1")
+    if reduce not in ("sum", "mean"):
+        raise ValueError(f"window_entropy: reduce={reduce!r}; expected sum or mean")
     head = np.asarray(token_entropies, dtype=np.float64).reshape(-1)[:k]
     head = head[np.isfinite(head)]
-    return float(head.mean()) if head.size else math.nan
+    if not head.size:
+        return math.nan
+    return float(head.sum() if reduce == "sum" else head.mean())

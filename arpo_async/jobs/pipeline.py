@@ -177,7 +177,27 @@ def rl_figures(run_dir: Path) -> dict:
         "reward_first": rows[0]["reward_mean"], "reward_last": last["reward_mean"],
         "train_accuracy_first": rows[0].get("score_mean"),
         "train_accuracy_last": last.get("score_mean"),
+        **branch_means(rows),
     }
+
+
+def branch_means(rows: list[dict]) -> dict:
+    """The RL stage's branching figures: decisions, forks and fills in total, the fork
+    rate (forks per decision), and the step means of the others (learner/rollout_metrics.py)."""
+    decisions = sum(r.get("branch/decisions", 0) for r in rows)
+    forks = sum(r.get("branch/forks", 0) for r in rows)
+    out = {"branch_decisions": decisions, "branch_forks": forks,
+           "branch_fills": sum(r.get("branch/fills", 0) for r in rows),
+           "fork_rate": round(forks / decisions, 4) if decisions else 0.0}
+    for key in ("branch/p_mean", "branch/p_std", "branch/dh_mean", "branch/leaves_per_group",
+                "tools/executed_per_leaf"):
+        vals = [r[key] for r in rows if key in r]
+        out[key.replace("/", "_") + "_mean"] = round(sum(vals) / len(vals), 4) if vals else None
+    out["branch_p_min"] = min((r["branch/p_min"] for r in rows if r.get("branch/decisions")),
+                              default=None)
+    out["branch_p_max"] = max((r["branch/p_max"] for r in rows if r.get("branch/decisions")),
+                              default=None)
+    return out
 
 
 # ----------------------------------------------------------------------------- driver

@@ -48,6 +48,7 @@ class Progress:
             "tokens/s per actor": " ".join(f"{v:.0f}" for v in actor_tps) or "-",
             "staleness max": str(row["staleness_max"]), "dropped stale": str(row["dropped_stale"]),
             "actors alive": str(row["actors_alive"]), "learner wait": f"{row['wait_s']:.2f}s",
+            "fork rate": _fork_rate(row),
             "tool calls": str(row.get("tool_calls", 0)),
             "tool cache hit": f"{sum(tool_hits) / lookups:.0%}" if lookups else "-",
             "elapsed": f"{elapsed:.0f}s", "ETA": f"{eta:.0f}s",
@@ -83,3 +84,11 @@ class Progress:
                 "broadcast_time_s_mean", "reward_mean_last")
         print("summary: " + ", ".join(f"{k}={summary.get(k)}" for k in keys), flush=True)
         print(f"run folder: {self.cfg.run.dir}", flush=True)
+
+
+def _fork_rate(row: dict) -> str:
+    """Forks per branch decision in this step, with the decisions' mean probability."""
+    decisions = row.get("branch/decisions", 0)
+    if not decisions:
+        return "-"
+    return f"{row.get('branch/forks', 0) / decisions:.2f} (P {row.get('branch/p_mean', 0):.2f})"

@@ -73,7 +73,8 @@ def _errors(logits: torch.Tensor) -> dict[tuple[str, int], tuple[float, float]]:
             est = np.stack([entropy_from_topk(list(row), vocab) for row in top])
             tok = float(np.abs(est - exact).mean())
             win = float(np.mean([
-                abs(window_entropy(est[b, s:], WINDOW) - window_entropy(exact[b, s:], WINDOW))
+                abs(window_entropy(est[b, s:], WINDOW, "mean")
+                    - window_entropy(exact[b, s:], WINDOW, "mean"))
                 for b in range(est.shape[0]) for s in range(0, est.shape[1], WINDOW)]))
             out[(name, k)] = (tok, win)
     return out

@@ -61,6 +61,14 @@ def test_default_job_runs_every_stage(finished_run):
     for name in ("by_wall_time.png", "by_step.png"):
         assert (run_dir / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "held-out accuracy" in out and "after RL" in out
+    # ARPO's branch decisions are visible on every RL step and in the summary
+    from arpo_async.core.metrics import read_metrics
+    from learner.rollout_metrics import KEYS
+
+    rows = read_metrics(run_dir)
+    assert rows and all(set(KEYS) <= set(r) for r in rows), rows[-1]
+    assert summary["rl"]["branch_decisions"] == sum(r["branch/decisions"] for r in rows)
+    assert 0.0 <= summary["rl"]["fork_rate"] <= 1.0
     assert len((data / "heldout.jsonl").read_text().splitlines()) == HELDOUT
 
 

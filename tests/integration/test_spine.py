@@ -62,6 +62,10 @@ def _check_run(run_dir: Path, steps: int, broadcasts: list[int], garbage: int) -
                 "staleness_max", "dropped_stale", "actors_alive"):
         assert key in rows[-1], key
     assert all(r["groups"] == rows[0]["groups"] > 0 for r in rows)
+    # the rollouts' branch figures are on every step; GRPO never forks
+    from learner.rollout_metrics import KEYS
+
+    assert all(set(KEYS) <= set(r) and r["branch/forks"] == 0 for r in rows), rows[-1]
     # weights reached the actors and the actors' vLLM agrees with the learner's model
     learner_probe = {r["version"]: r["logprobs"] for r in map(json.loads, (
         run_dir / "learner_probe.jsonl").read_text().splitlines())}

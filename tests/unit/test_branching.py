@@ -143,7 +143,8 @@ def test_from_config_modes():
     assert arpo.branching and arpo.aepo_penalty == 0.0 and not arpo.dynamic_budget
     assert (arpo.group_size, arpo.initial_samples) == (8, 4)
     aepo = BranchSettings.from_config(RolloutConfig(mode="aepo"))
-    assert aepo.aepo_penalty == 0.05 and aepo.dynamic_budget and aepo.budget_beta == 1.0
+    assert aepo.aepo_penalty == 0.05 and aepo.dynamic_budget and aepo.budget_beta == 0.5
+    assert aepo.entropy_reduce == "sum"
     with pytest.raises(ValueError, match="initial_samples"):
         BranchSettings.from_config(RolloutConfig(mode="arpo", group_size=2, initial_samples=3))
 

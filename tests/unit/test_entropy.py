@@ -97,12 +97,19 @@ def test_tail_estimate_is_upper_bound_and_monotone(seed, scale, vocab):
 
 def test_window_entropy_rules():
     vals = [0.2, 0.4, math.nan, 0.6, 0.9]
-    assert window_entropy(vals, 3) == pytest.approx(0.3)  # nan skipped, not counted as 0
-    assert window_entropy(vals, 4) == pytest.approx(0.4)
-    assert window_entropy(vals, 100) == pytest.approx(np.mean([0.2, 0.4, 0.6, 0.9]))
-    assert window_entropy([0.0, 0.0], 5) == 0.0
-    assert math.isnan(window_entropy([], 5))
-    assert math.isnan(window_entropy([math.nan, math.nan], 5))
-    assert window_entropy(np.array([0.5, 0.1]), 1) == pytest.approx(0.5)
+    # the default sums the first k tokens (the ARPO authors' scale); nan is skipped
+    assert window_entropy(vals, 3) == pytest.approx(0.6)
+    assert window_entropy(vals, 4) == pytest.approx(1.2)
+    assert window_entropy(vals, 100) == pytest.approx(2.1)
+    assert window_entropy(vals, 3, "mean") == pytest.approx(0.3)  # not counted as 0
+    assert window_entropy(vals, 4, "mean") == pytest.approx(0.4)
+    assert window_entropy(vals, 100, "mean") == pytest.approx(np.mean([0.2, 0.4, 0.6, 0.9]))
+    for reduce in ("sum", "mean"):
+        assert window_entropy([0.0, 0.0], 5, reduce) == 0.0
+        assert math.isnan(window_entropy([], 5, reduce))
+        assert math.isnan(window_entropy([math.nan, math.nan], 5, reduce))
+        assert window_entropy(np.array([0.5, 0.1]), 1, reduce) == pytest.approx(0.5)
     with pytest.raises(ValueError, match="k=0"):
         window_entropy([0.1], 0)
+    with pytest.raises(ValueError, match="reduce='max'"):
+        window_entropy([0.1], 1, "max")

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # Only stdlib, numpy and torch allowed: block the serving/training/transport stacks and
 # every other heavy third-party package a pure module might slip in.
 PURE = ["arpo_async.core.entropy", "arpo_async.core.loss_settings", "arpo_async.core.host",
-        "actors.branching", "learner.advantages", "learner.losses",
+        "actors.branching", "learner.advantages", "learner.losses", "learner.rollout_metrics",
         "arpo_async.core.staleness", "toolenv.tags"]
 PURE_BLOCKED = ["vllm", "deepspeed", "zmq", "transformers", "msgpack", "pydantic", "yaml",
                 "aiohttp", "diskcache", "safetensors"]

@@ -138,7 +138,7 @@ async def test_entropy_rises_after_a_tool_result(tiny_model_dir, vocab):
     for prompt, want in (([1, 2, 3], 0.3), (after, 0.8)):
         res = await eng.generate(GenRequest(prompt, 40, stop_token_ids=_stops(vocab),
                                             logprobs_topk=20, seed=2))
-        h = window_entropy(entropy_from_topk(res.top_logprobs, vocab.size), 20)
+        h = window_entropy(entropy_from_topk(res.top_logprobs, vocab.size), 20, "mean")
         assert abs(h - want) < 3e-3, (prompt, h)
 
 

@@ -1,0 +1,38 @@
+"""What the rollouts of a step did, from the groups' own statistics (pure).
+
+Each ARPO/AEPO group carries its branch planner's sums (actors/branching.py
+``BranchPlanner.stats``, prefixed ``branch/``); a step's figures add them up over the
+step's groups, so a mean is over every branch decision of the step, not a mean of group
+means. Every key is present on every step: a step without decisions (GRPO, or no tool
+call yet) reports 0 for the probabilities and 0 forks."""
+
+from __future__ import annotations
+
+import math
+
+KEYS = ("branch/p_mean", "branch/p_std", "branch/p_min", "branch/p_max", "branch/dh_mean",
+        "branch/decisions", "branch/forks", "branch/fills", "branch/leaves_per_group",
+        "tools/executed_per_leaf")
+
+
+def rollout_metrics(groups: list) -> dict[str, float]:
+    """The step's ``branch/*`` and ``tools/executed_per_leaf`` figures."""
+    def total(key: str) -> float:
+        return float(sum(g.stats.get(f"branch/{key}", 0.0) for g in groups))
+
+    decisions = total("tool_rounds")
+    leaves = sum(len(g.leaves) for g in groups)
+    p_mean = total("p_sum") / decisions if decisions else 0.0
+    var = total("p_sq_sum") / decisions - p_mean ** 2 if decisions else 0.0
+    decided = [g.stats for g in groups if g.stats.get("branch/tool_rounds", 0) > 0]
+    return {
+        "branch/p_mean": p_mean, "branch/p_std": math.sqrt(max(var, 0.0)),
+        "branch/p_min": min((s["branch/p_min"] for s in decided), default=0.0),
+        "branch/p_max": max((s["branch/p_max"] for s in decided), default=0.0),
+        "branch/dh_mean": total("dh_sum") / decisions if decisions else 0.0,
+        "branch/decisions": decisions, "branch/forks": total("forks"),
+        "branch/fills": total("fills"),
+        "branch/leaves_per_group": leaves / len(groups) if groups else 0.0,
+        "tools/executed_per_leaf": (sum(g.tool_calls_executed for g in groups) / leaves
+                                    if leaves else 0.0),
+    }

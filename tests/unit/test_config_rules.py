@@ -1,0 +1,44 @@
+"""Settings that pass each field's check but would learn nothing, or from biased ratios,
+are refused in one line naming the key; YAML's bare `off` stays a word."""
+
+from __future__ import annotations
+
+import pytest
+
+from arpo_async.core.config import SPINE_CONFIG, ConfigError, load_config
+
+
+@pytest.mark.parametrize(("overrides", "needle"), [
+    (["rollout.group_size=1"], "rollout.group_size=1: advantages are normalised"),
+    (["sampling.top_p=0.9"], "sampling.top_p=0.9: the actor records log-probs renormalised"),
+    (["sampling.top_p=0.9", "learner.loss.is_mode=off", "learner.loss.proximal=recompute"],
+     "sampling.top_p=0.9"),
+    (["learner.loss.dual_clip=0.5"], "learner.loss: Value error, dual_clip must be 0"),
+])
+def test_refused_in_one_line_naming_the_key(overrides, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config(SPINE_CONFIG, overrides)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_what_is_allowed():
+    cfg = load_config(SPINE_CONFIG, ["sampling.top_p=0.9", "learner.loss.is_mode=off",
+                                     "learner.loss.proximal=bypass", "rollout.group_size=2",
+                                     "rollout.initial_samples=2"])
+    assert cfg.learner.loss.is_mode == "off" and cfg.rollout.group_size == 2
+
+
+def test_off_is_a_word_and_on_is_still_a_boolean(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("learner:\n  loss:\n    is_mode: off\n")
+    assert load_config(path).learner.loss.is_mode == "off"
+    assert load_config(SPINE_CONFIG, ["learner.loss.is_mode=off"]).learner.loss.is_mode == "off"
+    assert load_config(SPINE_CONFIG, ["run.quiet=on"]).run.quiet is True
+    assert load_config(SPINE_CONFIG, ["run.quiet=false"]).run.quiet is False
+
+
+def test_entropy_reduce_defaults_to_the_authors_sum():
+    cfg = load_config(SPINE_CONFIG)
+    assert cfg.rollout.entropy_reduce == "sum" and cfg.rollout.aepo_budget_beta == 0.5
+    with pytest.raises(ConfigError, match="rollout.entropy_reduce"):
+        load_config(SPINE_CONFIG, ["rollout.entropy_reduce=max"])

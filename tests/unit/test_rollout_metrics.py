@@ -1,0 +1,58 @@
+"""A step's branch figures add the groups' planner sums up (learner/rollout_metrics.py),
+checked by hand and against the planner's own per-decision metrics."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from actors.branching import BranchPlanner, BranchSettings
+from learner.rollout_metrics import KEYS, rollout_metrics
+
+
+def _group(stats: dict, leaves: int, executed: int):
+    return SimpleNamespace(stats={f"branch/{k}": v for k, v in stats.items()},
+                           leaves=[None] * leaves, tool_calls_executed=executed)
+
+
+def test_hand_case():
+    a = _group({"tool_rounds": 2, "p_sum": 1.2, "p_sq_sum": 0.74, "p_min": 0.5, "p_max": 0.7,
+                "dh_sum": 0.4, "forks": 1, "fills": 0}, leaves=4, executed=3)
+    b = _group({"tool_rounds": 1, "p_sum": 0.9, "p_sq_sum": 0.81, "p_min": 0.9, "p_max": 0.9,
+                "dh_sum": 2.0, "forks": 1, "fills": 2}, leaves=4, executed=1)
+    plain = _group({}, leaves=4, executed=0)  # a GRPO group without tools: no planner stats
+    m = rollout_metrics([a, b, plain])
+    ps = np.array([0.5, 0.7, 0.9])
+    assert m["branch/p_mean"] == pytest.approx(ps.mean())
+    assert m["branch/p_std"] == pytest.approx(ps.std())
+    assert (m["branch/p_min"], m["branch/p_max"]) == (0.5, 0.9)
+    assert m["branch/dh_mean"] == pytest.approx(2.4 / 3)
+    assert (m["branch/decisions"], m["branch/forks"], m["branch/fills"]) == (3, 2, 2)
+    assert m["branch/leaves_per_group"] == 4 and m["tools/executed_per_leaf"] == 4 / 12
+
+
+def test_every_key_without_decisions():
+    m = rollout_metrics([_group({}, leaves=4, executed=0)])
+    assert set(m) == set(KEYS)
+    assert m["branch/forks"] == 0 and m["branch/p_min"] == 0 and m["branch/p_std"] == 0
+
+
+def test_planner_sums_match_its_decisions():
+    settings = BranchSettings(group_size=8, initial_samples=2, alpha=0.5, beta=0.2)
+    planner = BranchPlanner(settings, np.random.default_rng(0))
+    ids = planner.start()
+    for tid in ids:
+        planner.record_initial_entropy(tid, 3.0)
+    ps = []
+    for h in (2.0, 4.5, 6.0, 3.0):  # summed window entropies (rollout.entropy_reduce=sum)
+        _, d = planner.after_tool_round(ids[0], h)
+        ps.append(d["p"])
+    stats = planner.stats()
+    m = rollout_metrics([_group(stats, leaves=1, executed=4)])
+    assert ps == pytest.approx([0.3, 0.8, 1.0, 0.5])  # clip(0.5 + 0.2 * dH, 0, 1)
+    assert m["branch/p_mean"] == pytest.approx(np.mean(ps))
+    assert m["branch/p_std"] == pytest.approx(np.std(ps))
+    assert (m["branch/p_min"], m["branch/p_max"]) == (pytest.approx(0.3), 1.0)
+    assert m["branch/decisions"] == 4 and m["branch/forks"] == stats["forks"]
