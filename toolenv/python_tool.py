@@ -11,6 +11,12 @@ same packages (numpy, sympy, ...); its installation and virtual environment are 
 back read-only inside the hidden folders, and nothing else of the project is visible.
 ``hide`` adds folders to hide (``build_tools`` passes the run and cache folders).
 
+With ``pool`` > 0 (``tools.python_pool``) a call takes a warm sandbox from
+``toolenv.pool.WarmPool``: started ahead of the call, the ``preload`` modules
+(``tools.python_preload``) imported, used for that call only and then thrown away, under
+the same limits and isolation (toolenv/pool.py gives the design and its threat model).
+With ``pool=0`` every call starts a cold sandbox, as before.
+
 At construction the tool probes which isolation works here (``sandbox`` describes the
 modes) and logs a warning for anything missing: no bwrap is an error unless
 ``allow_unsandboxed``, in which case every start-up logs an ``UNSANDBOXED`` warning.
@@ -24,19 +30,24 @@ import os
 import shutil
 import signal
 import sys
+import time
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from toolenv.base import ToolResult
+from toolenv.pool import READY, PoolEmpty, PoolError, WarmPool, WarmSandbox
 from toolenv.sandbox import Limits, Sandbox, SandboxRun, default_hidden
 
 log = logging.getLogger(__name__)
 
 _FILE_BYTES = 16 << 20  # largest file a snippet may write in its scratch folder
 _RESULT_VERSION = "1"  # bump when the text of results would change
+_WINDOW = 10_000  # latencies kept for the percentiles
 
 # Runs inside the sandbox (python -c); the snippet arrives on stdin.
-_RUNNER = r"""
+_RUNNER_DEF = r"""
 import ast, linecache, sys, traceback
 def _arpo_run():
     src = sys.stdin.buffer.read().decode("utf-8", "replace")
@@ -58,8 +69,60 @@ def _arpo_run():
         sys.stderr.write("".join(traceback.format_exception(type(exc), exc, tb, limit=-8)))
         sys.stderr.flush()
         raise SystemExit(1)
-_arpo_run()
 """
+_RUNNER = _RUNNER_DEF + "_arpo_run()\n"
+
+# A warm sandbox (toolenv/pool.py): import the preloads (argv), then fork. The child, whose
+# CPU time starts at zero, says READY and waits for its code; it ends with os._exit after
+# joining threads and running exit handlers (the interpreter's teardown is the slow part of
+# an exit, at low priority on a busy machine, and changes nothing the caller sees). The
+# parent only waits and exits as the child did (by the same signal, or with its exit
+# code), so the sandbox ends when the child does.
+_WARM_RUNNER = _RUNNER_DEF + r"""
+import atexit, os, signal
+for _name in sys.argv[1:]:
+    try:
+        __import__(_name)
+    except Exception:
+        pass  # not installed here: the snippet's own import will say so
+sys.argv[1:] = []
+def _arpo_exit(code):
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):  # as the interpreter treats SystemExit("message")
+        print(code, file=sys.stderr)
+        code = 1
+    if "threading" in sys.modules:
+        sys.modules["threading"]._shutdown()  # joins non-daemon threads, as an exit does
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code & 255)
+_pid = os.fork()
+if _pid == 0:
+    os.write(1, %r)
+    try:
+        _arpo_run()
+    except SystemExit as _exc:
+        _arpo_exit(_exc.code)
+    _arpo_exit(0)
+else:
+    _null = os.open(os.devnull, os.O_RDWR)
+    for _fd in (0, 1, 2):  # only the child holds the pipes: EOF comes when it is done
+        os.dup2(_null, _fd)
+    _status = os.waitpid(_pid, 0)[1]
+    if os.WIFSIGNALED(_status):
+        _sig = os.WTERMSIG(_status)
+        try:
+            signal.signal(_sig, signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass  # SIGKILL and SIGSTOP keep their default anyway
+        os.kill(os.getpid(), _sig)
+    os._exit(os.waitstatus_to_exitcode(_status) & 255)
+""" % READY
 
 # Start-up probe: what the sandbox actually isolates, as JSON.
 _PROBE = r"""
@@ -98,12 +161,16 @@ class PythonTool:
     def __init__(self, cpu_s: int = 5, memory_mb: int = 512, max_procs: int = 32,
                  max_output: int = 4096, wall_timeout_s: float = 10.0,
                  allow_unsandboxed: bool = False, *, python: str | None = None,
-                 isolation: str = "auto", hide: Sequence[str | Path] = ()):
+                 isolation: str = "auto", hide: Sequence[str | Path] = (), pool: int = 0,
+                 preload: Sequence[str] = ("math",)):
         for key, value in (("cpu_s", cpu_s), ("memory_mb", memory_mb),
                            ("max_procs", max_procs), ("max_output", max_output),
                            ("wall_timeout_s", wall_timeout_s)):
             if value <= 0:
                 raise ValueError(f"PythonTool {key} must be > 0, got {value}")
+        if pool < 0:
+            raise ValueError(f"PythonTool pool must be >= 0, got {pool}")
+        self.preload = _check_modules(preload)
         self.python = python or sys.executable
         self.hide = default_hidden(hide)
         self.cpu_s, self.max_output, self.wall_timeout_s = cpu_s, max_output, wall_timeout_s
@@ -114,6 +181,9 @@ class PythonTool:
         self.sandbox, self.warnings = self._choose(limits, isolation, allow_unsandboxed)
         for warning in self.warnings:
             log.warning("python tool: %s", warning)
+        self.pool = WarmPool(self._spawn_warm, pool) if pool > 0 else None
+        self._latencies: deque[float] = deque(maxlen=_WINDOW)
+        self._cold_fallbacks = self._cold_overflow = 0
 
     # ------------------------------------------------------------------ start-up probe
 
@@ -174,11 +244,49 @@ class PythonTool:
 
     # ------------------------------------------------------------------ calls
 
+    def _spawn_warm(self) -> WarmSandbox:
+        # One more process for the warm runner's waiting parent, so the snippet keeps the
+        # same process allowance as on the cold path.
+        limits = replace(self.sandbox.limits, max_procs=self.sandbox.limits.max_procs + 1)
+        proc, release = replace(self.sandbox, limits=limits).spawn(
+            [self.python, "-s", "-u", "-c", _WARM_RUNNER, *self.preload])
+        return WarmSandbox(proc, release)
+
     async def call(self, args: str) -> ToolResult:
-        run = await self.sandbox.run([self.python, "-s", "-u", "-c", _RUNNER],
-                                     args.encode("utf-8"), self.wall_timeout_s,
-                                     max_bytes=4 * self.max_output)
-        return self._result(run)
+        start = time.perf_counter()
+        code, cap = args.encode("utf-8"), 4 * self.max_output
+        warm = None
+        if self.pool is not None:
+            try:
+                warm = await self.pool.take()
+            except PoolEmpty:  # a burst past the pool: this call starts cold
+                self._cold_overflow += 1
+            except PoolError:  # logged by the pool; this call starts cold instead
+                self._cold_fallbacks += 1
+        if warm is not None:
+            run = await warm.run(code, self.wall_timeout_s, max_bytes=cap)
+        else:
+            run = await self.sandbox.run([self.python, "-s", "-u", "-c", _RUNNER], code,
+                                         self.wall_timeout_s, max_bytes=cap)
+        result = self._result(run)
+        result.latency_s = time.perf_counter() - start  # the wait for a sandbox included
+        self._latencies.append(result.latency_s)
+        return result
+
+    def stats(self) -> dict[str, float]:
+        """latency_p50_s/p99_s: seconds per executed call (the last 10,000), waiting for a
+        sandbox included; cold_fallbacks: calls that started cold because a warm sandbox
+        could not be prepared; cold_overflow: calls that started cold because none was
+        free (a burst bigger than the pool); pool_*: ``WarmPool.stats`` (without a pool,
+        absent)."""
+        ordered = sorted(self._latencies)
+
+        def pct(q: float) -> float:
+            return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+        out = {"latency_p50_s": pct(0.5), "latency_p99_s": pct(0.99),
+               "cold_fallbacks": self._cold_fallbacks, "cold_overflow": self._cold_overflow}
+        return out | (self.pool.stats() if self.pool is not None else {})
 
     def _result(self, run: SandboxRun) -> ToolResult:
         text = run.output.decode("utf-8", "replace")
@@ -226,4 +334,14 @@ class PythonTool:
         return f"Killed ({name})"
 
     async def close(self) -> None:
-        """Nothing persists between calls: every call has its own sandbox."""
+        """Kill the warm sandboxes not yet used; nothing else persists between calls."""
+        if self.pool is not None:
+            await self.pool.close()
+
+
+def _check_modules(names: Sequence[str]) -> list[str]:
+    """Preload names reach the sandbox's argv: only dotted identifiers pass."""
+    for name in names:
+        if not all(part.isidentifier() for part in name.split(".")):
+            raise ValueError(f"python preload: {name!r} is not a module name")
+    return list(names)

@@ -158,7 +158,8 @@ class ToolRunner:
         whose final result was not ok (timeouts and unknown tools included); timeouts;
         cache_lookup_errors/cache_store_errors: cache failures that cost only the cache.
         Latency is in seconds, end to end as the caller saw it (throttling and retries
-        included); percentiles over the last 10,000 calls, the mean over all.
+        included); percentiles over the last 10,000 calls, the mean over all. A tool with
+        a ``stats()`` method adds its own as ``"<tool>.<key>"`` (``PythonTool.stats``).
         """
         out: dict[str, float] = dict(self._counts)
         ordered = sorted(self._latencies)
@@ -169,6 +170,9 @@ class ToolRunner:
             for key in _PER_TOOL:
                 out[f"{name}.{key}"] = per[key]
             out[f"{name}.latency_mean_s"] = per["latency_sum"] / per["calls"]
+        for name, tool in self.tools.items():  # a tool's own figures (python: its pool)
+            if callable(getattr(tool, "stats", None)):
+                out |= {f"{name}.{key}": value for key, value in tool.stats().items()}
         return out
 
     async def close(self) -> None:
@@ -198,7 +202,8 @@ def build_tools(cfg: ToolsConfig, run_dir: str | Path) -> ToolRunner:
                 max_procs=cfg.python_max_procs, max_output=cfg.python_max_output,
                 wall_timeout_s=max(cfg.timeout_s - 0.25, 0.9 * cfg.timeout_s),
                 allow_unsandboxed=cfg.allow_unsandboxed,
-                hide=[run_dir, cache_dir])  # checkpoints, logs and cached results
+                hide=[run_dir, cache_dir],  # checkpoints, logs and cached results
+                pool=cfg.python_pool, preload=cfg.python_preload)
         elif name == "search":
             from toolenv.search import SearchTool
 

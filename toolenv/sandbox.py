@@ -38,7 +38,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -224,18 +224,43 @@ class Sandbox:
 
     # ------------------------------------------------------------------ running
 
+    def _acquire(self) -> tuple[int | None, int | None, str | None]:
+        """(uid, its lock fd) in setuid mode, a scratch folder without a sandbox."""
+        uid, lock_fd = self.uid_pool.acquire() if self.mode == "setuid" else (None, None)
+        workdir = tempfile.mkdtemp(prefix="arpo_py_") if self.mode == "none" else None
+        return uid, lock_fd, workdir
+
+    @staticmethod
+    def _release(lock_fd: int | None, workdir: str | None) -> None:
+        if lock_fd is not None:
+            UidPool.release(lock_fd)  # the pid namespace is gone: no process keeps uid
+        if workdir is not None:
+            shutil.rmtree(workdir, ignore_errors=True)
+
     @contextmanager
     def _lease(self) -> Iterator[tuple[int | None, str | None]]:
         """A pool uid (setuid mode) or a scratch folder (no sandbox) for one run."""
-        uid, lock_fd = self.uid_pool.acquire() if self.mode == "setuid" else (None, None)
-        workdir = tempfile.mkdtemp(prefix="arpo_py_") if self.mode == "none" else None
+        uid, lock_fd, workdir = self._acquire()
         try:
             yield uid, workdir
         finally:
-            if lock_fd is not None:
-                UidPool.release(lock_fd)  # the pid namespace is gone: no process keeps uid
-            if workdir is not None:
-                shutil.rmtree(workdir, ignore_errors=True)
+            self._release(lock_fd, workdir)
+
+    def spawn(self, command: Sequence[str]) -> tuple[subprocess.Popen, Callable[[], None]]:
+        """Start ``command`` now and hand its pipes to the caller (a warm sandbox that
+        ``toolenv.pool`` feeds later): (process, release). The process has stdin and
+        stdout (stderr joined) pipes and its own session; call ``release`` once it has
+        been reaped, to give back its uid or scratch folder."""
+        uid, lock_fd, workdir = self._acquire()
+        try:
+            proc = subprocess.Popen(self.argv(command, uid), stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    start_new_session=True, env=self._host_env(), cwd=workdir,
+                                    **self._spawn_kwargs())
+        except BaseException:
+            self._release(lock_fd, workdir)
+            raise
+        return proc, lambda: self._release(lock_fd, workdir)
 
     async def run(self, command: Sequence[str], stdin: bytes, timeout_s: float,
                   max_bytes: int) -> SandboxRun:

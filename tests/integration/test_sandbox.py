@@ -1,5 +1,7 @@
 """The Python tool in the real bubblewrap sandbox: correct answers for honest code, and
-hostile snippets contained within their time bound with the host left unchanged."""
+hostile snippets contained within their time bound with the host left unchanged; every
+test runs twice, with a cold sandbox per call (pool 0) and with warm sandboxes (pool 2).
+No call sees another's files, variables, processes or environment, earlier or at once."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -25,12 +28,20 @@ SLACK_S = 2.0  # process start-up and kill on a busy 2-core machine
 
 
 
+@pytest.fixture(scope="module", params=[0, 2], ids=["cold", "pool"])
+def pool(request) -> int:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def tool() -> PythonTool:
+def tool(pool) -> Iterator[PythonTool]:
     if shutil.which("bwrap") is None:
         pytest.skip("bubblewrap (bwrap) is not installed")
-    return PythonTool(cpu_s=2, memory_mb=256, max_procs=16, max_output=2000,
-                      wall_timeout_s=WALL_S)
+    made = PythonTool(cpu_s=2, memory_mb=256, max_procs=16, max_output=2000,
+                      wall_timeout_s=WALL_S, pool=pool)
+    yield made
+    if made.pool is not None:
+        made.pool.discard()
 
 
 async def _run_all(tool: PythonTool, snippets: list[str]):
@@ -237,14 +248,14 @@ async def test_cancelled_call_kills_the_sandbox(tool):
     assert _procs_with(marker) == []
 
 
-async def test_unprivileged_user_namespace_mode():
+async def test_unprivileged_user_namespace_mode(pool):
     """The mode a non-root host uses (here: bwrap launched as uid 65534)."""
     python = "/usr/bin/python3"
     if not os.path.exists(python):
         pytest.skip("needs a system python readable by any user")
     try:
         tool = PythonTool(cpu_s=2, memory_mb=256, max_procs=8, wall_timeout_s=WALL_S,
-                          python=python, isolation="userns")
+                          python=python, isolation="userns", pool=pool)
     except RuntimeError as err:
         pytest.skip(f"unprivileged user namespaces unavailable here: {err}")
     assert tool.sandbox.mode == "userns" and tool.warnings == []
@@ -257,15 +268,17 @@ async def test_unprivileged_user_namespace_mode():
     assert not write.ok and not (REPO / f"PWNED_{marker}").exists()
     assert not fork.ok and fork_s < WALL_S + SLACK_S
     assert _procs_with(marker) == []
+    await tool.close()
 
 
-async def test_runner_with_the_real_tool(tmp_path):
+async def test_runner_with_the_real_tool(tmp_path, pool):
     if shutil.which("bwrap") is None:
         pytest.skip("bubblewrap (bwrap) is not installed")
     from arpo_async.core.config import ToolsConfig
     from toolenv.runner import build_tools
 
-    cfg = ToolsConfig(enabled=["python"], timeout_s=2.0, python_max_output=100)
+    cfg = ToolsConfig(enabled=["python"], timeout_s=2.0, python_max_output=100,
+                      python_pool=pool)
     runner = build_tools(cfg, tmp_path)
     first, again = [await runner.call("python", "print(6*7)\n") for _ in range(2)]
     slow = await runner.call("python", "import time\ntime.sleep(30)")
@@ -276,16 +289,20 @@ async def test_runner_with_the_real_tool(tmp_path):
                             "import time\ntime.sleep(30)") is None
     stats = runner.stats()
     assert (stats["calls"], stats["cache_hits"], stats["timeouts"]) == (3, 1, 1)
+    assert stats["python.latency_p99_s"] >= stats["python.latency_p50_s"] > 0
+    assert ("python.pool_taken" in stats) == (pool > 0)
+    if pool:  # two calls ran the tool, each in its own warm sandbox
+        assert stats["python.pool_taken"] == 2 and stats["python.pool_failed"] == 0
     await runner.close()
 
 
-async def test_without_bwrap(monkeypatch, caplog):
+async def test_without_bwrap(monkeypatch, caplog, pool):
     """No bubblewrap: refuse, unless explicitly allowed, then warn loudly and still limit."""
     monkeypatch.setattr("toolenv.python_tool.shutil.which", lambda name: None)
     with pytest.raises(RuntimeError, match="bubblewrap .bwrap. is not installed"):
-        PythonTool()
+        PythonTool(pool=pool)
     with caplog.at_level("WARNING"):
-        tool = PythonTool(wall_timeout_s=WALL_S, cpu_s=2, allow_unsandboxed=True)
+        tool = PythonTool(wall_timeout_s=WALL_S, cpu_s=2, allow_unsandboxed=True, pool=pool)
     assert tool.sandbox.mode == "none"
     assert any("UNSANDBOXED" in r.getMessage() for r in caplog.records)
     (ok, _), (slow, slow_s), (mem, _) = await _run_all(
@@ -293,3 +310,81 @@ async def test_without_bwrap(monkeypatch, caplog):
     assert ok.text == "42"
     assert slow.error == "timeout" and slow_s < WALL_S + SLACK_S
     assert "MemoryError" in mem.text
+    await tool.close()
+
+
+# Leaves a trace everywhere a later or concurrent call might look, then (optionally) stays.
+_LEAK = """import builtins, math, os, socket, subprocess, sys, time
+M = {marker!r}
+os.environ["LEAK"] = M
+math.LEAK = builtins.LEAK = sys.LEAK = sys.modules["__main__"].LEAK = LEAK_VAR = M
+for folder in ("/tmp", "/dev/shm"):
+    open(f"{{folder}}/leak_{{M}}", "w").write(M)
+tcp = socket.socket()
+tcp.bind(("127.0.0.1", {port}))
+tcp.listen()
+unix = socket.socket(socket.AF_UNIX)
+unix.bind("\\0leak_" + M)
+unix.listen()
+subprocess.Popen(["/bin/sh", "-c", "sleep 60; : " + M], env={{"LEAK": M}})
+print("leaked", flush=True)
+time.sleep({stay})
+"""
+
+# Looks for every trace _LEAK leaves; prints what it found as JSON.
+_LOOK = """import builtins, glob, json, math, os, socket, sys
+M = {marker!r}
+found = [k for k, v in (("env", os.environ.get("LEAK")), ("math", getattr(math, "LEAK", 0)),
+         ("builtins", getattr(builtins, "LEAK", 0)), ("sys", getattr(sys, "LEAK", 0)),
+         ("__main__", getattr(sys.modules["__main__"], "LEAK", 0)),
+         ("variable", globals().get("LEAK_VAR"))) if v == M]
+found += [p for p in glob.glob("/tmp/*") + glob.glob("/dev/shm/*") if M in p]
+for family, addr in ((socket.AF_INET, ("127.0.0.1", {port})), (socket.AF_UNIX, "\\0leak_" + M)):
+    try:
+        socket.socket(family).connect(addr)
+        found.append(f"connected {{addr!r}}")
+    except OSError:
+        pass
+pids = [p for p in os.listdir("/proc") if p.isdigit()]
+for pid in pids:
+    for part in ("cmdline", "environ"):
+        try:
+            if M.encode() in open(f"/proc/{{pid}}/{{part}}", "rb").read():
+                found.append(f"process {{pid}} {{part}}")
+        except OSError:
+            pass
+print(json.dumps({{"found": found, "pids": len(pids)}}))
+"""
+
+
+async def test_calls_cannot_see_each_other(pool):
+    """A call that left traces everywhere, finished (earlier) or still running (at once),
+    is invisible to the next call: files, variables, modules, environment, processes,
+    sockets. With the pool, the looking call's sandbox was prepared while the first ran."""
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap (bwrap) is not installed")
+    # A long wall limit: the running call must outlive the looking call, whatever the load.
+    tool = PythonTool(cpu_s=2, memory_mb=256, max_procs=16, wall_timeout_s=120, pool=pool)
+    try:
+        for stay in (0, 100):  # earlier, then at once
+            marker, port = uuid.uuid4().hex, 20000 + uuid.uuid4().int % 20000
+            leak = asyncio.ensure_future(tool.call(_LEAK.format(marker=marker, port=port,
+                                                                stay=stay)))
+            if stay:  # wait until the leaking call is demonstrably alive
+                while not _procs_with(marker):
+                    assert not leak.done(), leak.result().text
+                    await asyncio.sleep(0.05)
+            else:
+                assert (await leak).text == "leaked", leak.result().text
+            look = await tool.call(_LOOK.format(marker=marker, port=port))
+            assert look.ok, look.text
+            seen = json.loads(look.text)
+            assert seen["found"] == [] and seen["pids"] <= 3, seen  # only its own processes
+            if stay:
+                assert not leak.done() and _procs_with(marker), "the leaking call ended early"
+                leak.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await leak
+            assert _procs_with(marker) == []
+    finally:
+        await tool.close()
