@@ -107,10 +107,13 @@ class AgentRollout:
                 group.h_root.append(h)
             if path.decide:
                 path.decide = False
-                forks, _ = planner.after_tool_round(path.tid, h)
-                group.h_tool.append(h)
-                for tid in forks:
-                    group.spawn(self._drive(prompt, path.fork(tid), group))
+                if group.measuring(path.tid):  # AEPO's probe before m is known: measure only
+                    group.h_tool.append(h)
+                    self._split_budget(prompt, group)
+                else:
+                    forks, _ = planner.after_tool_round(path.tid, h)
+                    for tid in forks:
+                        group.spawn(self._drive(prompt, path.fork(tid), group))
             call = find_tool_call(text) if finish == "stop" else None
             room = self.cfg.sampling.max_response_tokens - len(path.tokens)
             if call is None or path.tool_calls >= self.cfg.rollout.tool_call_limit or room <= 0:
@@ -128,24 +131,32 @@ class AgentRollout:
         group.paths[path.tid] = path
         self._maybe_grow(prompt, group)
 
+    def _split_budget(self, prompt: Prompt, group: _GroupState) -> None:
+        """AEPO's entropy pre-monitoring (arXiv 2510.14545 Sec. 3): the probe's root
+        entropy and its first post-tool entropy give m = M * sigmoid(beta * (H_root -
+        H_tool)); the probe and m - 1 fresh global samples make exactly m, and M - m are
+        left to branching (refilled with global samples only if branching leaves them).
+        A probe that ends without a tool call measures no gap: m = M / 2."""
+        group.probe_pending = False
+        h_root = group.h_root[0] if group.h_root else float("nan")
+        group.m = aepo_global_samples(h_root, group.h_tool, self.settings.group_size,
+                                      self.settings.budget_beta)
+        for _ in range(group.m - 1):  # nothing branched yet: the budget holds them all
+            group.spawn(self._drive(prompt, _Path(group.planner.new_root()), group))
+
     def _maybe_grow(self, prompt: Prompt, group: _GroupState) -> None:
-        """AEPO's budget split after the probe, and the fill rule (DESIGN step 4)."""
-        planner = group.planner
-        if group.probe_pending and self.settings.dynamic_budget:
-            group.probe_pending = False
-            h_root = float(np.nanmean(group.h_root)) if group.h_root else 0.0
-            h_tool = float(np.nanmean(group.h_tool)) if group.h_tool else h_root
-            m = aepo_global_samples(h_root, h_tool, self.settings.group_size,
-                                    self.settings.budget_beta)
-            for _ in range(min(m - 1, planner.remaining_budget())):
-                group.spawn(self._drive(prompt, _Path(planner.new_root()), group))
-        for tid in planner.fill():
+        """AEPO's budget split when its probe ended before any tool call, then the fill
+        rule (docs/design.md "ARPO branching")."""
+        if group.probe_pending:
+            self._split_budget(prompt, group)
+        for tid in group.planner.fill():
             group.spawn(self._drive(prompt, _Path(tid), group))
 
     # ------------------------------------------------------------------ the group
     async def run(self, prompt: Prompt, actor_id: int) -> TrajectoryGroup:
         initial = 1 if self.settings.dynamic_budget else None
-        group = _GroupState(BranchPlanner(self.settings, self.rng, initial=initial))
+        group = _GroupState(BranchPlanner(self.settings, self.rng, initial=initial),
+                            probe=self.settings.dynamic_budget)
         for tid in group.planner.start():
             group.spawn(self._drive(prompt, _Path(tid), group))
         await group.wait()
@@ -155,7 +166,7 @@ class AgentRollout:
             group_id=new_group_id(actor_id), actor_id=actor_id, prompt_id=prompt.id,
             prompt_tokens=np.asarray(prompt.tokens, np.int32), leaves=leaves,
             mode=self.cfg.rollout.mode, tool_calls_executed=group.executed,
-            stats={f"branch/{k}": v for k, v in group.planner.stats().items()})
+            stats={f"branch/{k}": v for k, v in group.stats().items()})
 
     def _leaf(self, prompt: Prompt, path: _Path, parent: int) -> Trajectory:
         text = self.tokenizer.decode(path.tokens, skip_special_tokens=False)
@@ -171,14 +182,21 @@ class AgentRollout:
 class _GroupState:
     """Tasks and finished paths of one group; all mutation happens on one event loop."""
 
-    def __init__(self, planner: BranchPlanner):
+    def __init__(self, planner: BranchPlanner, probe: bool = False):
         self.planner = planner
         self.paths: dict[int, _Path] = {}
         self.tasks: set[asyncio.Task] = set()
         self.executed = 0
-        self.h_root: list[float] = []
-        self.h_tool: list[float] = []
-        self.probe_pending = True
+        self.h_root: list[float] = []  # first-round entropies of the global samples
+        self.h_tool: list[float] = []  # the AEPO probe's post-tool entropy
+        self.probe_pending = probe  # AEPO: trajectory 0 measures; m is not known yet
+        self.m = 0  # AEPO: global samples the probe's measurement asked for
+
+    def measuring(self, tid: int) -> bool:
+        return self.probe_pending and tid == 0
+
+    def stats(self) -> dict[str, float]:
+        return self.planner.stats() | ({"aepo_m": float(self.m)} if self.m else {})
 
     def spawn(self, coro) -> None:
         self.tasks.add(asyncio.ensure_future(coro))

@@ -59,6 +59,7 @@ async def test_arpo_branches_after_tool_results_and_saves_tool_calls(tiny_model_
     try:
         grpo = await _groups("grpo", model, engine, tokenizer, tmp_path)
         arpo = await _groups("arpo", model, engine, tokenizer, tmp_path)
+        aepo = await _groups("aepo", model, engine, tokenizer, tmp_path)
     finally:
         await engine.close()
 
@@ -83,6 +84,13 @@ async def test_arpo_branches_after_tool_results_and_saves_tool_calls(tiny_model_
         assert tokenizer.decode(leaf.tokens[:bp]).rstrip().endswith("</result>")
         # ... and resampled the round after it
         assert leaf.loss_mask[bp:].any()
+
+    # AEPO: the probe measured, then exactly m global samples; branching and fills the rest
+    for group in aepo:
+        s, m = group.stats, group.stats["branch/aepo_m"]
+        assert 1 <= m <= M and len(group.leaves) == M, s
+        assert s["branch/global_samples"] - s["branch/fills"] == m, s
+        assert s["branch/forks"] + s["branch/fills"] == M - m, s
 
     executed = {name: sum(g.tool_calls_executed for g in groups)
                 for name, groups in (("grpo", grpo), ("arpo", arpo))}
