@@ -270,8 +270,8 @@ class ToolsConfig(_Section):
     python_max_output: int = Field(4096, description="characters of tool output kept")
     allow_unsandboxed: bool = Field(False, description="run Python without bubblewrap (unsafe)")
     python_pool: int = Field(
-        2, ge=0, description="warm Python sandboxes kept ready, count (0: a cold sandbox per "
-        "call); each holds one idle interpreter (~10 MiB plus its preloads)")
+        2, ge=0, description="warm Python sandboxes kept ready per actor, count (0: a cold "
+        "sandbox per call); each holds one idle interpreter (~20 MiB RSS with math) and a uid")
     python_preload: list[str] = Field(
         default_factory=lambda: ["math"], description="modules each warm sandbox imports "
         "before its call, names (numpy ~0.1, sympy ~0.25 CPU-s per call, used or not)")
