@@ -2,7 +2,15 @@
 
 1. Cache hit: latency of a repeated identical call through ``ToolRunner`` with the disk
    cache (the first call fills it), p50/p99 as the caller sees it.
-2. Python sandbox: latency of ``print(1)`` through the real bubblewrap sandbox, p50/p99.
+2. Python sandbox: ``print(1)`` through the real bubblewrap sandbox, today's path (a cold
+   sandbox per call, ``pool=0``) against warm sandboxes (``toolenv/pool.py``), in the same
+   run, interleaved, ``--repeats`` times: bursts of ``--python-concurrency`` (1 and 8)
+   simultaneous calls, ``--think-ms`` apart (the model writing its next round; a pool
+   also refills to full before the next burst). Latency p50/p99 as the caller sees it;
+   CPU seconds per call of everything it ran, sandboxes included, counted from a full
+   pool to a full pool (every sandbox counted was prepared and used once). The last line
+   is ``RESULT python_tool p50_ms=<warm p50 at 1 call, median of repeats> target=15
+   met|missed``.
 3. Search throughput: requests/s through ``ToolRunner`` at concurrency 32 against the real
    retriever server with ``--delay-ms 100`` added per request (ideal: 32 / 0.1 s = 320/s).
 
@@ -13,10 +21,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
+import glob
 import json
 import os
 import platform
 import random
+import resource
 import statistics
 import sys
 import tempfile
@@ -64,20 +75,116 @@ async def bench_cache_hit(url: str, calls: int, cache_dir: Path) -> dict:
     return {**summary_ms(lat), "miss_ms": 1e3 * first.latency_s}
 
 
-async def bench_python(calls: int) -> dict:
+def _become_subreaper() -> None:
+    """bwrap does not wait for its pid namespace's init (it reads the exit status from an
+    event fd and exits), so a sandbox's CPU time would be charged to the host's init. As
+    a child subreaper this process adopts those orphans, reaps them (``_reap_adopted``)
+    and so counts them in RUSAGE_CHILDREN."""
+    if ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) != 0:  # PR_SET_CHILD_SUBREAPER
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+def _reap_adopted(deadline_s: float = 2.0) -> None:
+    """Reap the adopted children: those in another pid namespace (a sandbox's init and
+    what it left); the processes this one started are left to their owners."""
+    end = time.monotonic() + deadline_s
+    while True:
+        adopted = []
+        for path in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
+            for pid in map(int, Path(path).read_text().split()):
+                try:
+                    status = Path(f"/proc/{pid}/status").read_text()
+                except OSError:
+                    continue
+                nspid = next((ln.split()[1:] for ln in status.splitlines()
+                              if ln.startswith("NSpid:")), [])
+                if len(nspid) > 1:
+                    adopted.append(pid)
+        for pid in adopted:
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+        if not adopted or time.monotonic() > end:
+            return
+        time.sleep(0.005)
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process and its reaped children, sandboxes included (see
+    ``_become_subreaper``); kernel workers (e.g. network-namespace teardown) are not
+    counted, on both paths alike."""
+    _reap_adopted()
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
+        resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+async def _quiet(tool, think_s: float) -> None:
+    """The pause between bursts (the model writing its next round); a pool also refills."""
+    await asyncio.sleep(think_s)
+    _reap_adopted(0.0)
+    while tool.pool is not None and len(tool.pool._ready) < tool.pool.size:
+        await asyncio.sleep(0.01)
+
+
+async def bench_python(pool: int, concurrency: int, bursts: int, think_s: float,
+                       preload: list[str]) -> dict:
+    """``bursts`` rounds of ``concurrency`` simultaneous ``print(1)`` calls, ``think_s``
+    apart. CPU seconds are counted from a full pool to a full pool, so every sandbox
+    counted was prepared and used once (the cold path: each call's own sandbox)."""
     from toolenv.python_tool import PythonTool
 
-    tool = await asyncio.to_thread(PythonTool)  # its sandbox probe runs its own loop
-    for _ in range(3):  # warm the page cache for the interpreter inside the sandbox
-        await tool.call("print(1)")
-    lat = []
-    for _ in range(calls):
+    tool = await asyncio.to_thread(PythonTool, pool=pool, preload=preload)
+
+    async def one() -> float:
         start = time.perf_counter()
         res = await tool.call("print(1)")
-        lat.append(time.perf_counter() - start)
         assert res.ok and res.text.strip() == "1", res.text
+        return time.perf_counter() - start
+
+    await asyncio.gather(*(one() for _ in range(concurrency)))  # page cache, pool start
+    await _quiet(tool, think_s)
+    lat: list[float] = []
+    cpu0 = _cpu_s()
+    for _ in range(bursts):
+        lat += await asyncio.gather(*(one() for _ in range(concurrency)))
+        await _quiet(tool, think_s)
+    cpu = _cpu_s() - cpu0
+    stats = tool.stats()
     await tool.close()
-    return summary_ms(lat)
+    return {**summary_ms(lat), "pool": pool, "concurrency": concurrency,
+            "cpu_s_per_call": cpu / len(lat),
+            **{k: v for k, v in stats.items() if k.startswith(("pool_", "cold_"))}}
+
+
+def python_paths(a: argparse.Namespace) -> dict:
+    """Today's path (a cold sandbox per call) against warm sandboxes, interleaved in each
+    repeat, at each concurrency; the figures of every repeat are kept."""
+    _become_subreaper()
+    runs: list[dict] = []
+    for repeat in range(a.repeats):
+        for concurrency in a.python_concurrency:
+            for pool in (0, a.pool or concurrency):
+                bursts = max(1, a.python_calls // concurrency)
+                res = asyncio.run(bench_python(pool, concurrency, bursts, a.think_ms / 1e3,
+                                               a.preload))
+                load = os.getloadavg()[0]  # other work on the machine: it bounds the tails
+                runs.append({"repeat": repeat, "path": "warm" if pool else "cold",
+                             "load_1min": load, **res})
+                print(f"  repeat {repeat} {runs[-1]['path']:4s} c={concurrency} "
+                      f"pool={pool}: p50 {res['p50_ms']:.1f} ms  p99 {res['p99_ms']:.1f} ms  "
+                      f"cpu {1e3 * res['cpu_s_per_call']:.1f} ms/call  load {load:.1f}",
+                      flush=True)
+    table = {}
+    for path in ("cold", "warm"):
+        for concurrency in a.python_concurrency:
+            mine = [r for r in runs if r["path"] == path and r["concurrency"] == concurrency]
+            table[f"{path}_c{concurrency}"] = {
+                "p50_ms": [r["p50_ms"] for r in mine], "p99_ms": [r["p99_ms"] for r in mine],
+                "cpu_ms_per_call": [1e3 * r["cpu_s_per_call"] for r in mine]}
+    return {"runs": runs, "table": table, "think_ms": a.think_ms, "preload": a.preload,
+            "concurrency": a.python_concurrency}
 
 
 async def bench_search(url: str, requests: int, concurrency: int, delay_ms: float) -> dict:
@@ -107,7 +214,17 @@ async def bench_search(url: str, requests: int, concurrency: int, delay_ms: floa
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cache-calls", type=int, default=1000, help="repeated cached calls")
-    p.add_argument("--python-calls", type=int, default=50, help="sandboxed print(1) calls")
+    p.add_argument("--python-calls", type=int, default=96,
+                   help="sandboxed print(1) calls per path, concurrency and repeat")
+    p.add_argument("--python-concurrency", type=int, nargs="+", default=[1, 8],
+                   help="simultaneous calls per burst")
+    p.add_argument("--pool", type=int, default=0,
+                   help="warm sandboxes (0: as many as the calls in a burst)")
+    p.add_argument("--preload", nargs="*", default=["math"], help="modules preloaded")
+    p.add_argument("--think-ms", type=float, default=200.0,
+                   help="pause between bursts (and until the pool is full again)")
+    p.add_argument("--repeats", type=int, default=2, help="repeats of the python paths")
+    p.add_argument("--skip-search", action="store_true", help="python paths only")
     p.add_argument("--search-requests", type=int, default=960, help="search requests")
     p.add_argument("--concurrency", type=int, default=32, help="search calls in flight")
     p.add_argument("--delay-ms", type=float, default=100.0, help="retriever added latency")
@@ -121,25 +238,50 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-tools-") as tmp:
         corpus = Path(tmp) / "corpus.jsonl"
         write_corpus(corpus, a.docs, seed=0)
-        with RetrieverProcess(corpus) as fast:
-            out["cache_hit"] = asyncio.run(bench_cache_hit(fast.url, a.cache_calls,
-                                                           Path(tmp) / "cache"))
-        out["python_sandbox"] = asyncio.run(bench_python(a.python_calls))
-        with RetrieverProcess(corpus, delay_ms=a.delay_ms) as slow:
-            out["search"] = asyncio.run(bench_search(slow.url, a.search_requests,
-                                                     a.concurrency, a.delay_ms))
-            out["search"]["server_max_inflight"] = slow.stats()["max_inflight"]
+        if not a.skip_search:
+            with RetrieverProcess(corpus) as fast:
+                out["cache_hit"] = asyncio.run(bench_cache_hit(fast.url, a.cache_calls,
+                                                               Path(tmp) / "cache"))
+        out["python_sandbox"] = python_paths(a)
+        if not a.skip_search:
+            with RetrieverProcess(corpus, delay_ms=a.delay_ms) as slow:
+                out["search"] = asyncio.run(bench_search(slow.url, a.search_requests,
+                                                         a.concurrency, a.delay_ms))
+                out["search"]["server_max_inflight"] = slow.stats()["max_inflight"]
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
-    c, py, s = out["cache_hit"], out["python_sandbox"], out["search"]
-    print(f"cache hit        p50 {c['p50_ms']:.3f} ms  p99 {c['p99_ms']:.3f} ms "
-          f"(miss {c['miss_ms']:.1f} ms, n={c['n']})")
-    print(f"python print(1)  p50 {py['p50_ms']:.1f} ms  p99 {py['p99_ms']:.1f} ms (n={py['n']})")
-    print(f"search           {s['req_per_s']:.0f} req/s at concurrency {s['concurrency']}, "
-          f"{s['delay_ms']:g} ms server delay (ideal {s['ideal_req_per_s']:.0f}), "
-          f"p50 {s['p50_ms']:.0f} ms, errors {s['errors']}")
     print(f"wrote {a.out}")
+    report(out)  # its last line: RESULT python_tool ...
     return out
+
+
+def report(out: dict) -> None:
+    if "cache_hit" in out:
+        c = out["cache_hit"]
+        print(f"cache hit        p50 {c['p50_ms']:.3f} ms  p99 {c['p99_ms']:.3f} ms "
+              f"(miss {c['miss_ms']:.1f} ms, n={c['n']})")
+    if "search" in out:
+        s = out["search"]
+        print(f"search           {s['req_per_s']:.0f} req/s at concurrency {s['concurrency']}, "
+              f"{s['delay_ms']:g} ms server delay (ideal {s['ideal_req_per_s']:.0f}), "
+              f"p50 {s['p50_ms']:.0f} ms, errors {s['errors']}")
+    py = out["python_sandbox"]
+    for key, row in py["table"].items():
+        cells = "  ".join(f"{name} {'/'.join(f'{v:.1f}' for v in vals)}"
+                          for name, vals in row.items())
+        print(f"python {key:8s} {cells}   (per repeat)")
+    med = {key: {name: statistics.median(vals) for name, vals in row.items() if vals}
+           for key, row in py["table"].items()}
+    for c in py["concurrency"]:
+        cold, warm = med.get(f"cold_c{c}", {}), med.get(f"warm_c{c}", {})
+        if cold and warm:
+            print(f"python c={c}: warm p50 {warm['p50_ms']:.1f} ms vs cold "
+                  f"{cold['p50_ms']:.1f} ms ({cold['p50_ms'] / warm['p50_ms']:.1f}x), p99 "
+                  f"{warm['p99_ms']:.1f} vs {cold['p99_ms']:.1f} ms, cpu/call "
+                  f"{warm['cpu_ms_per_call']:.1f} vs {cold['cpu_ms_per_call']:.1f} ms "
+                  "(medians of the repeats)")
+    p50 = med.get("warm_c1", {}).get("p50_ms", float("nan"))
+    print(f"RESULT python_tool p50_ms={p50:.1f} target=15 {'met' if p50 <= 15 else 'missed'}")
 
 
 if __name__ == "__main__":

@@ -8,8 +8,9 @@ and exits with its status. ``WarmPool`` keeps ``size`` of them ready or in prepa
 A call takes a ready one (or waits for one in preparation that no other call is waiting
 for; past that, in a burst bigger than the pool, it runs cold as today), feeds it the code,
 reads its output under the same wall timeout and output cap as the cold path, and the
-sandbox ends with the call: it is never handed out twice. Taking one starts the
-preparation of a replacement in the background, so ready + preparing stays at ``size``.
+sandbox ends with the call: it is never handed out twice. When the call ends, a
+replacement is prepared in the background (not before: it would compete for the CPU with
+the call it replaces), so ready + preparing + in use stays at ``size``.
 
 Threat model. The code is hostile; the host process, the pool and the code that prepares
 a sandbox (the runner in ``python_tool``) are trusted. A sandbox receives untrusted bytes
@@ -212,7 +213,7 @@ class WarmPool:
         self._live: set[WarmSandbox] = set()  # spawned, not yet handed out
         self._waiters: deque[asyncio.Future] = deque()
         self._tasks: set[asyncio.Task] = set()
-        self._preparing = 0
+        self._preparing = self._in_use = 0  # in use: taken by a call not yet finished
         self._closed = False
         self._started = time.monotonic()
         self._waits: deque[float] = deque(maxlen=_WINDOW)
@@ -242,13 +243,20 @@ class WarmPool:
                     self._waiters.remove(fut)
         sandbox = self._ready.popleft()
         self._live.discard(sandbox)
-        self._fill()  # the replacement
+        self._in_use += 1
         wait = time.monotonic() - start
         self._counts["taken"] += 1
         self._counts["waited"] += waited
         self._wait_sum += wait
         self._waits.append(wait)
         return sandbox
+
+    def finished(self) -> None:
+        """The call that took a sandbox is over: prepare its replacement now, so that the
+        preparation does not compete for the CPU with the call it replaces."""
+        self._in_use = max(0, self._in_use - 1)  # discard() may have reset it meanwhile
+        if not self._closed and self._loop is asyncio.get_running_loop():
+            self._fill()
 
     def _bind_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -258,7 +266,7 @@ class WarmPool:
             self._loop = loop
 
     def _fill(self) -> None:
-        while len(self._ready) + self._preparing < self.size:
+        while len(self._ready) + self._preparing + self._in_use < self.size:
             self._preparing += 1
             task = self._loop.create_task(self._prepare())
             self._tasks.add(task)
@@ -306,7 +314,7 @@ class WarmPool:
         self._ready.clear()
         self._waiters.clear()
         self._tasks.clear()
-        self._preparing = 0
+        self._preparing = self._in_use = 0
 
     async def close(self) -> None:
         """Kill every sandbox not yet handed out; calls in progress finish on their own."""

@@ -264,7 +264,10 @@ class PythonTool:
             except PoolError:  # logged by the pool; this call starts cold instead
                 self._cold_fallbacks += 1
         if warm is not None:
-            run = await warm.run(code, self.wall_timeout_s, max_bytes=cap)
+            try:
+                run = await warm.run(code, self.wall_timeout_s, max_bytes=cap)
+            finally:
+                self.pool.finished()
         else:
             run = await self.sandbox.run([self.python, "-s", "-u", "-c", _RUNNER], code,
                                          self.wall_timeout_s, max_bytes=cap)

@@ -53,6 +53,17 @@ async def test_one_sandbox_per_call_and_counts(make_tool):
     await tool.close()
 
 
+async def test_the_replacement_is_prepared_when_the_call_ends(make_tool):
+    tool = make_tool(pool=1)
+    sandbox = await tool.pool.take()
+    assert (tool.pool._preparing, len(tool.pool._ready)) == (0, 0)  # not during the call
+    run = await sandbox.run(b"print(6*7)", 30, 1000)
+    assert run.output == b"42\n" and run.returncode == 0
+    tool.pool.finished()
+    assert tool.pool._preparing + len(tool.pool._ready) == 1
+    await tool.close()
+
+
 async def test_failed_preparation_falls_back_to_a_cold_start(make_tool, caplog):
     tool = make_tool(pool=1)
 
