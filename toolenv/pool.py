@@ -23,6 +23,11 @@ cannot see, signal or connect to another call, nor to a ready sandbox waiting in
 Limits are those of the cold path, per call: the snippet runs in the forked child, whose
 CPU time starts at zero; the address-space limit covers the preloaded modules as if the
 snippet had imported them; the process limit is raised by one for the waiting parent.
+The waiting parent runs as the snippet's uid, so the snippet may signal or ptrace it:
+that can only end its own call early or change its own exit status. New against the cold
+path is only that a sandbox exists before its code is known; nothing in it depends on the
+code, and it runs at the same low priority. Without bubblewrap (mode ``none``) a warm
+sandbox is, like a cold one, only a process with rlimits in its own session and folder.
 What a waiting sandbox costs: one interpreter's memory (with its preloads) and one uid.
 
 Event loops. Sandboxes are plain ``subprocess.Popen`` processes whose pipes are driven

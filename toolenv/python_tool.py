@@ -103,7 +103,7 @@ def _arpo_exit(code):
     os._exit(code & 255)
 _pid = os.fork()
 if _pid == 0:
-    os.write(1, %r)
+    os.write(1, __READY__)
     try:
         _arpo_run()
     except SystemExit as _exc:
@@ -122,7 +122,7 @@ else:
             pass  # SIGKILL and SIGSTOP keep their default anyway
         os.kill(os.getpid(), _sig)
     os._exit(os.waitstatus_to_exitcode(_status) & 255)
-""" % READY
+""".replace("__READY__", repr(READY))
 
 # Start-up probe: what the sandbox actually isolates, as JSON.
 _PROBE = r"""
