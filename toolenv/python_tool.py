@@ -75,7 +75,9 @@ _RUNNER = _RUNNER_DEF + "_arpo_run()\n"
 # A warm sandbox (toolenv/pool.py): import the preloads (argv), then fork. The child, whose
 # CPU time starts at zero, says READY and waits for its code; it ends with os._exit after
 # joining threads and running exit handlers (the interpreter's teardown is the slow part of
-# an exit, at low priority on a busy machine, and changes nothing the caller sees). The
+# an exit, at low priority on a busy machine; skipping it changes one thing: objects still
+# alive at exit, e.g. in reference cycles, are not finalized, so a __del__ that prints
+# prints nothing). The
 # parent only waits and exits as the child did (by the same signal, or with its exit
 # code), so the sandbox ends when the child does.
 _WARM_RUNNER = _RUNNER_DEF + r"""
@@ -181,6 +183,11 @@ class PythonTool:
         self.sandbox, self.warnings = self._choose(limits, isolation, allow_unsandboxed)
         for warning in self.warnings:
             log.warning("python tool: %s", warning)
+        if pool > 0 and not hasattr(os, "pidfd_open"):  # Linux >= 5.3, Python >= 3.9
+            self.warnings.append("warm sandboxes need pidfd_open (Linux 5.3): python_pool "
+                                 "ignored, every call starts a cold sandbox")
+            log.warning("python tool: %s", self.warnings[-1])
+            pool = 0
         self.pool = WarmPool(self._spawn_warm, pool) if pool > 0 else None
         self._latencies: deque[float] = deque(maxlen=_WINDOW)
         self._cold_fallbacks = self._cold_overflow = 0
