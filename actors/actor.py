@@ -184,7 +184,8 @@ class Actor:
                # for idle fractions (arpo_async/jobs/experiments.py): slot-seconds = elapsed * slots
                "elapsed_s": elapsed, "send_blocked_s": getattr(self.sender, "blocked_s", 0.0),
                # restart bookkeeping (learner/service.py): incarnation and data position
-               "pid": float(os.getpid()), "data_pos": float(self.data_position())}
+               "pid": float(os.getpid()), "data_pos": float(self.data_position()),
+               "prompts_skipped_too_long": self.source.skipped_long}
         if self.tools is not None:
             out |= {f"tools/{k}": v for k, v in self.tools.stats().items()}
         return out

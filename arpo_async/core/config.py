@@ -392,23 +392,22 @@ class Config(_Section):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
 
-    @model_validator(mode="after")
-    def _learnable(self) -> "Config":
-        """Settings that pass every field's check but make the run learn nothing, or
-        learn from biased ratios, are refused here, naming the key."""
+    def check_trainable(self) -> None:
+        """Settings that pass every field's check but would make an RL run learn nothing,
+        or learn from biased ratios: refused at the start of a run (the launcher), in one
+        line naming the key. Evaluation may use them (one sample, nucleus sampling)."""
         if self.rollout.group_size < 2:
-            raise ValueError(
+            raise ConfigError(
                 f"rollout.group_size={self.rollout.group_size}: advantages are normalised "
                 "within a prompt's group (A = (R - mean) / std), so a group of one leaf has "
                 "advantage 0 and the run learns nothing; use 2 or more")
         loss = self.learner.loss
         if self.sampling.top_p < 1.0 and (loss.is_mode != "off" or loss.proximal == "recompute"):
-            raise ValueError(
+            raise ConfigError(
                 f"sampling.top_p={self.sampling.top_p}: the actor records log-probs "
                 "renormalised over the nucleus while the learner computes full-vocabulary ones, "
                 "so the importance weights (learner.loss.is_mode) and recomputed ratios "
                 "(learner.loss.proximal) would be biased; use sampling.top_p=1.0 (ARPO's)")
-        return self
 
 
     @model_validator(mode="after")

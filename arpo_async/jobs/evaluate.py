@@ -29,6 +29,7 @@ import contextlib
 import functools
 import json
 import tempfile
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from arpo_async.core.config import Config, config_from_dict, load_config
+from arpo_async.core.config import Config, ConfigError, config_from_dict, load_config
 from arpo_async.core.files import atomic_write_json, write_jsonl
 
 PROGRESS_EVERY_S = 10.0
@@ -78,6 +79,29 @@ def _row_kinds(path: Path) -> dict[str, str]:
     return out
 
 
+def split_too_long(source: Any, prompts: list, data: Path,
+                   refuse: bool = False) -> tuple[list, list[dict]]:
+    """(prompts that fit, rows for those that do not): a prompt longer than the engine's
+    room (``PromptSource.max_tokens``) is skipped and named, or with ``refuse`` stops the
+    evaluation before the model loads, naming the file and row."""
+    from toolenv.tasks.data import DataError
+
+    kept, skipped = [], []
+    for p in prompts:
+        if not source.too_long(p):
+            kept.append(p)
+            continue
+        row = {"id": p.id, "row": p.meta.get("row"), "kind": p.kind, "question": p.question,
+               "skipped": "too_long", "prompt_tokens": len(p.tokens)}
+        if refuse:
+            raise DataError(f"{data}: row {row['row']}: prompt of {len(p.tokens)} tokens > "
+                            f"{source.max_tokens} (model.max_model_len="
+                            f"{source.cfg.model.max_model_len}); raise it, or drop "
+                            "--refuse-too-long to skip and count such rows")
+        skipped.append(row)
+    return kept, skipped
+
+
 def _summarise(items: list[dict], k: int) -> dict:
     def block(rows: list[dict]) -> dict:
         scores = np.array([r["scores"] for r in rows], dtype=float)
@@ -106,7 +130,14 @@ async def _run_items(rollout: Any, source: Any, prompts: list, kinds: dict, toke
     async def one(i: int, prompt: Any) -> None:
         nonlocal done, tokens
         async with slots:
-            group = await rollout.run(source.encode(prompt), actor_id=0)
+            try:
+                group = await rollout.run(source.encode(prompt), actor_id=0)
+            except Exception as exc:  # one request's engine or tool error: counted, go on
+                items[i] = {"id": prompt.id, "row": prompt.meta.get("row"),
+                            "question": prompt.question,
+                            "error": f"{type(exc).__name__}: {exc}"[:300]}
+                log(f"[eval] {prompt.id}: failed ({items[i]['error'][:120]}); going on")
+                return
         leaves = group.leaves
         tokens += sum(int(leaf.loss_mask.sum()) for leaf in leaves)
         items[i] = {
@@ -123,8 +154,8 @@ async def _run_items(rollout: Any, source: Any, prompts: list, kinds: dict, toke
         now = time.perf_counter()
         if now - last[0] >= PROGRESS_EVERY_S or done == len(prompts):
             last[0] = now
-            finished = [r for r in items if r is not None]
-            acc = np.mean([np.mean(r["scores"]) for r in finished])
+            finished = [r for r in items if r is not None and "scores" in r]
+            acc = np.mean([np.mean(r["scores"]) for r in finished]) if finished else 0.0
             log(f"[eval] {done}/{len(prompts)} questions  pass@1 so far {acc:.3f}  "
                 f"{tokens / (now - t0):.0f} model tok/s  {now - t0:.0f} s")
 
@@ -147,7 +178,8 @@ async def evaluate_async(cfg: Config, data: str | Path, k: int = 4, limit: int |
                          engine: str | None = None, retriever_url: str = "",
                          corpus: str | Path | None = None, endpoint: str = "",
                          concurrency: int = 64, system_prompt: str | None = None,
-                         log: Callable[[str], None] | None = None) -> dict:
+                         log: Callable[[str], None] | None = None,
+                         refuse_too_long: bool = False) -> dict:
     """Evaluate ``cfg.model.path`` on ``data``; returns the summary (also written to
     ``out_dir``/summary.json with items.jsonl when ``out_dir`` is given)."""
     from transformers import AutoTokenizer
@@ -174,6 +206,7 @@ async def evaluate_async(cfg: Config, data: str | Path, k: int = 4, limit: int |
         prompts = source.items[:limit] if limit else source.items
         for p in prompts:
             p.system_prompt = p.system_prompt or system_prompt or SYSTEM_PROMPT
+        prompts, skipped = split_too_long(source, prompts, data, refuse_too_long)
         tools = build_tools(cfg.tools, work)
         t0 = time.perf_counter()
         eng = await _make_engine(cfg, model_path, tokenizer, endpoint)
@@ -189,10 +222,13 @@ async def evaluate_async(cfg: Config, data: str | Path, k: int = 4, limit: int |
         finally:
             await eng.close()
             await tools.close()
+    failed = [r for r in items if "error" in r]
+    items = [r for r in items if "error" not in r]
     summary = {
         "model": str(model_path), "data": str(data), "k": k, "engine":
             "endpoint" if endpoint else cfg.actors.engine,
         "temperature": cfg.sampling.temperature, **_summarise(items, k),
+        "skipped_too_long": len(skipped), "failed": len(failed),
         "model_tokens": tokens, "engine_start_s": round(engine_s, 1),
         "generate_s": round(gen_s, 1), "total_s": round(time.perf_counter() - t_start, 1),
         "model_tokens_per_s": round(tokens / max(gen_s, 1e-9), 1),
@@ -200,7 +236,7 @@ async def evaluate_async(cfg: Config, data: str | Path, k: int = 4, limit: int |
                   if key.endswith(("calls", "executed", "errors", "timeouts", "cache_hits"))},
     }
     if out_dir:
-        write_jsonl(work / "items.jsonl", items)
+        write_jsonl(work / "items.jsonl", items + failed + skipped)
         atomic_write_json(work / "summary.json", summary)
     return summary
 
@@ -226,13 +262,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--endpoint", default="", help="OpenAI-compatible server base URL")
     ap.add_argument("--config", default=None, help="YAML config (default configs/default.yaml)")
     ap.add_argument("--concurrency", type=int, default=64, help="questions in flight")
+    ap.add_argument("--refuse-too-long", action="store_true",
+                    help="stop before loading the model when a prompt does not fit "
+                    "model.max_model_len (default: skip such rows and count them)")
     ap.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
     args = ap.parse_args(argv)
-    cfg = load_config(args.config, [*args.overrides, f"model.path={args.model}"])
-    summary = evaluate(cfg, args.data, k=args.k, limit=args.limit, out_dir=args.out,
-                       temperature=args.temperature, engine=args.engine,
-                       retriever_url=args.retriever, corpus=args.corpus,
-                       endpoint=args.endpoint, concurrency=args.concurrency)
+    from toolenv.tasks.data import DataError
+
+    try:
+        cfg = load_config(args.config, [*args.overrides, f"model.path={args.model}"])
+        summary = evaluate(cfg, args.data, k=args.k, limit=args.limit, out_dir=args.out,
+                           temperature=args.temperature, engine=args.engine,
+                           retriever_url=args.retriever, corpus=args.corpus,
+                           endpoint=args.endpoint, concurrency=args.concurrency,
+                           refuse_too_long=args.refuse_too_long)
+    except (ConfigError, DataError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     print(json.dumps(summary, indent=1))
 
 

@@ -341,6 +341,7 @@ def dry_run(args) -> int:
         cfg = load_config(Path(args.resume) / "config.yaml", args.overrides)
     else:
         cfg = load_config(args.config, args.overrides)
+    cfg.check_trainable()
     port = cfg.cluster.master_port or DEFAULT_MASTER_PORT
     roles = plan(cfg, Path(cfg.run.dir) / "config.yaml", master_port=port)
     notes = check_placement(cfg) + _path_notes(cfg)

@@ -66,6 +66,7 @@ def resolve(args: LaunchRequest, model_path: ModelResolver | None = None) -> Con
         cfg = load_config(args.config, args.overrides)
     if args.quiet:
         cfg.run.quiet = True
+    cfg.check_trainable()
     _check_security(cfg)
     if model_path is not None and not args.dry_run:
         try:

@@ -176,6 +176,52 @@ def test_evaluate_public_sets_with_tools(name, data_dir, sft_run, suite, tmp_pat
     assert "tool_calls_per_question" in summary
 
 
+def test_evaluate_skips_and_names_prompts_too_long_for_the_model(data_dir, sft_run, tmp_path):
+    from toolenv.tasks.data import DataError
+
+    # MATH-500 problems run past a 192-token context: skipped, counted, named; the rest
+    # is evaluated
+    cfg = _cfg(Path(sft_run["out"]), sampling={"max_new_tokens": 24, "max_response_tokens": 48})
+    cfg.model.max_model_len = 192
+    summary = evaluate(cfg, data_dir / "math500_test.jsonl", k=1, limit=8, out_dir=tmp_path,
+                       engine="transformers", log=lambda line: None)
+    rows = [json.loads(line) for line in (tmp_path / "items.jsonl").read_text().splitlines()]
+    skipped = [r for r in rows if r.get("skipped") == "too_long"]
+    assert summary["skipped_too_long"] == len(skipped) > 0 and summary["failed"] == 0
+    assert summary["n"] == 8 - len(skipped) > 0
+    assert all(r["prompt_tokens"] > 191 and r["row"] >= 1 for r in skipped)
+    # refused up front with the flag, naming the file and the row, before any model loads
+    with pytest.raises(DataError, match=rf"math500_test.jsonl: row {skipped[0]['row']}: "):
+        evaluate(cfg, data_dir / "math500_test.jsonl", k=1, limit=8, engine="vllm",
+                 refuse_too_long=True, log=lambda line: None)
+
+
+async def test_one_failing_request_is_counted_and_the_rest_goes_on():
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from arpo_async.jobs.evaluate import _run_items
+
+    class Rollout:  # a fake: the second prompt's engine request fails
+        async def run(self, prompt, actor_id):
+            if prompt.id == "b":
+                raise ValueError("prompt of 934 tokens (+1) exceeds model.max_model_len=512")
+            leaf = SimpleNamespace(tokens=np.array([1, 2]), loss_mask=np.array([1, 1]),
+                                   score=1.0, reward=1.0, tool_calls=0, finish_reason="stop")
+            return SimpleNamespace(leaves=[leaf])
+
+    source = SimpleNamespace(encode=lambda p: p)
+    tok = SimpleNamespace(decode=lambda ids, skip_special_tokens=False: "x")
+    prompts = [SimpleNamespace(id=i, kind="math", question="q", answers=["1"], meta={"row": n})
+               for n, i in enumerate("abc", 1)]
+    lines: list[str] = []
+    items, tokens = await _run_items(Rollout(), source, prompts, {}, tok, 2, lines.append)
+    assert [r["id"] for r in items] == ["a", "b", "c"] and tokens == 4
+    assert "error" in items[1] and items[1]["row"] == 2 and "max_model_len" in items[1]["error"]
+    assert any("b: failed" in line for line in lines)
+
+
 # ------------------------------------------------------------------ endpoint engine
 
 

@@ -9,7 +9,8 @@ from arpo_async.core.config import SPINE_CONFIG, ConfigError, load_config
 
 
 @pytest.mark.parametrize(("overrides", "needle"), [
-    (["rollout.group_size=1"], "rollout.group_size=1: advantages are normalised"),
+    (["rollout.group_size=1", "rollout.initial_samples=1"],
+     "rollout.group_size=1: advantages are normalised"),
     (["sampling.top_p=0.9"], "sampling.top_p=0.9: the actor records log-probs renormalised"),
     (["sampling.top_p=0.9", "learner.loss.is_mode=off", "learner.loss.proximal=recompute"],
      "sampling.top_p=0.9"),
@@ -17,14 +18,30 @@ from arpo_async.core.config import SPINE_CONFIG, ConfigError, load_config
 ])
 def test_refused_in_one_line_naming_the_key(overrides, needle):
     with pytest.raises(ConfigError) as err:
-        load_config(SPINE_CONFIG, overrides)
+        load_config(SPINE_CONFIG, overrides).check_trainable()
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_evaluation_may_use_one_sample_and_a_nucleus():
+    cfg = load_config(SPINE_CONFIG, ["rollout.group_size=1", "rollout.initial_samples=1",
+                                     "sampling.top_p=0.9"])  # loads; only a run refuses it
+    with pytest.raises(ConfigError, match="rollout.group_size=1"):
+        cfg.check_trainable()
+
+
+def test_the_launcher_refuses_at_start(tmp_path, capsys):
+    from arpo_async.launch import main
+
+    code = main(["--config", str(SPINE_CONFIG), "--dry-run", "rollout.group_size=1",
+                 "rollout.initial_samples=1", f"run.dir={tmp_path}"])
+    assert code == 2 and "rollout.group_size=1" in capsys.readouterr().err
 
 
 def test_what_is_allowed():
     cfg = load_config(SPINE_CONFIG, ["sampling.top_p=0.9", "learner.loss.is_mode=off",
                                      "learner.loss.proximal=bypass", "rollout.group_size=2",
                                      "rollout.initial_samples=2"])
+    cfg.check_trainable()
     assert cfg.learner.loss.is_mode == "off" and cfg.rollout.group_size == 2
 
 

@@ -44,6 +44,7 @@ class Example:
     source: str = ""
     system_prompt: str | None = None
     meta: dict = field(default_factory=dict)
+    row: int = 0  # 1-based row of the file (the line number for JSONL)
 
 
 def load_examples(
@@ -140,6 +141,7 @@ def _to_example(
         source=source,
         system_prompt=system,
         meta=meta,
+        row=n,
     )
 
 

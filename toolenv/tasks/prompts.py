@@ -65,7 +65,7 @@ class PromptSource:
             from toolenv.tasks.data import load_examples
 
             return [Prompt(e.id, e.question, list(e.answers), e.kind,
-                           system_prompt=e.system_prompt, meta=e.meta)
+                           system_prompt=e.system_prompt, meta={**e.meta, "row": e.row})
                     for e in load_examples(task.data, on_bad_row=task.on_bad_row)]
         if task.name == "synthetic_tools":
             # The same items as rl.jsonl of `python -m arpo_async.jobs.synthetic` with this seed.
@@ -83,22 +83,35 @@ class PromptSource:
         prompt.tokens = [int(t) for t in ids]
         return prompt
 
+    @property
+    def max_tokens(self) -> int:
+        """The longest prompt a rollout can take: ``sampling.max_prompt_tokens``, or without
+        one, one token short of ``model.max_model_len`` (room for at least one new token)."""
+        return self.cfg.sampling.max_prompt_tokens or self.cfg.model.max_model_len - 1
+
+    def too_long(self, prompt: Prompt) -> bool:
+        """Encodes ``prompt`` when needed; True when it exceeds ``max_tokens``."""
+        if not prompt.tokens:
+            self.encode(prompt)
+        return len(prompt.tokens) > self.max_tokens
+
     def next(self) -> Prompt:
-        """The next prompt in this stream's order; prompts longer than
-        ``sampling.max_prompt_tokens`` are skipped and counted."""
-        limit = self.cfg.sampling.max_prompt_tokens
+        """The next prompt in this stream's order; prompts longer than ``max_tokens``
+        (``sampling.max_prompt_tokens``, else what ``model.max_model_len`` leaves room
+        for) are skipped and counted, never sent to the engine."""
+        limit = self.max_tokens
         for _ in range(len(self.items)):
             if self.pos == len(self.order):
                 self.order, self.pos = self.rng.permutation(len(self.items)), 0
                 self.epoch += 1
             prompt = self.items[int(self.order[self.pos])]
             self.pos += 1
-            if not prompt.tokens:
-                self.encode(prompt)
-            if not limit or len(prompt.tokens) <= limit:
+            if not self.too_long(prompt):
                 return prompt
             self.skipped_long += 1
-        raise ValueError(f"every prompt is longer than sampling.max_prompt_tokens={limit}")
+        raise ValueError(f"every prompt is longer than {limit} tokens (sampling.max_prompt_tokens"
+                         f"={self.cfg.sampling.max_prompt_tokens}, model.max_model_len="
+                         f"{self.cfg.model.max_model_len})")
 
     @property
     def position(self) -> int:
