@@ -2,8 +2,11 @@
 
 A group becomes one ``LeafSample`` per leaf: prompt and response tokens, and per response
 token the loss weight (model token, and in hard attribution the owner of a shared
-segment), the behaviour log-prob and the advantage. Samples are then split across learner
-ranks and micro-batches balanced by token count, and collated into right-padded tensors.
+segment), the behaviour log-prob and the advantage; each sample also keeps its place in
+the group's tree (group, leaf index, parent, branch point) so that learner/packing.py can
+rebuild the tree. Samples are split across learner ranks balanced by token count, a
+group's leaves staying on one rank; ``learner.packing = padded`` then splits a rank's
+leaves into micro-batches and collates them into right-padded tensors (``collate``).
 No deepspeed or zmq here.
 """
 
@@ -26,6 +29,10 @@ class LeafSample:
     behaviour: np.ndarray  # float32 behaviour log-probs
     advantages: np.ndarray  # float32 per response token
     versions: np.ndarray  # int32 policy version per response token
+    group: int = -1  # index of its group in the step's batch (-1: a leaf on its own)
+    index: int = 0  # leaf index within the group
+    parent: int = -1  # leaf index of the parent (-1: a global sample)
+    branch_point: int = 0  # response tokens shared with the parent
 
     @property
     def num_tokens(self) -> int:
@@ -35,10 +42,10 @@ class LeafSample:
 def samples_from_groups(groups: list[TrajectoryGroup], mode: str) -> tuple[list[LeafSample], dict]:
     """Attribute advantages within each group (soft or hard) and flatten to leaves."""
     samples: list[LeafSample] = []
-    for group in groups:
+    for g, group in enumerate(groups):
         rewards = np.array([leaf.reward for leaf in group.leaves])
         advs, owners, _ = token_advantages(group.leaves, rewards, mode)
-        for leaf, adv, owner in zip(group.leaves, advs, owners):
+        for i, (leaf, adv, owner) in enumerate(zip(group.leaves, advs, owners)):
             samples.append(LeafSample(
                 prompt=np.asarray(group.prompt_tokens, dtype=np.int32),
                 response=np.asarray(leaf.tokens, dtype=np.int32),
@@ -46,6 +53,7 @@ def samples_from_groups(groups: list[TrajectoryGroup], mode: str) -> tuple[list[
                 behaviour=np.asarray(leaf.logprobs, dtype=np.float32),
                 advantages=np.asarray(adv, dtype=np.float32),
                 versions=np.asarray(leaf.versions, dtype=np.int32),
+                group=g, index=i, parent=int(leaf.parent), branch_point=int(leaf.branch_point),
             ))
     leaves = [leaf for g in groups for leaf in g.leaves]
     rewards = np.array([leaf.reward for leaf in leaves], dtype=np.float64)
@@ -59,14 +67,22 @@ def samples_from_groups(groups: list[TrajectoryGroup], mode: str) -> tuple[list[
     return samples, metrics
 
 
-def balanced_split(samples: list[LeafSample], parts: int) -> list[list[LeafSample]]:
-    """Longest-first greedy split into ``parts`` lists of similar token counts."""
+def balanced_split(samples: list[LeafSample], parts: int, keep_groups: bool = True
+                   ) -> list[list[LeafSample]]:
+    """Longest-first greedy split into ``parts`` lists of similar token counts. With
+    ``keep_groups`` the leaves of one group go to the same part (a packed tree needs all
+    of them); the loss is normalised by the step's global token count, so the split
+    changes no gradient."""
+    units: dict[tuple[int, int], list[LeafSample]] = {}
+    for k, s in enumerate(samples):
+        key = (s.group, -1) if keep_groups and s.group >= 0 else (-1, k)
+        units.setdefault(key, []).append(s)
     bins: list[list[LeafSample]] = [[] for _ in range(parts)]
     loads = [0] * parts
-    for s in sorted(samples, key=lambda s: -s.num_tokens):
+    for unit in sorted(units.values(), key=lambda u: -sum(s.num_tokens for s in u)):
         i = loads.index(min(loads))
-        bins[i].append(s)
-        loads[i] += s.num_tokens
+        bins[i].extend(unit)
+        loads[i] += sum(s.num_tokens for s in unit)
     return bins
 
 

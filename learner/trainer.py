@@ -7,6 +7,14 @@ are padded with a one-token batch of zero weight) because ZeRO-3 gathers paramet
 collectively. The loss of each micro-batch is normalised by the model-token count of the
 whole step across all ranks, so micro-batching and world size do not change the
 gradient (token-mean aggregation, docs/design.md "The importance-corrected loss").
+
+``learner.packing``: ``padded`` collates a rank's leaves into ``micro_batches`` padded
+batches (learner/batching.py); ``tree`` and ``flat`` pack them (learner/packing.py) into
+as many micro-batches as ``max_tokens_per_microbatch`` needs (at least ``micro_batches``;
+the ranks agree on the largest count), run the model with the packed attention
+(learner/tree_attention.py) and take chunked log-probs (learner/logprobs.py). The
+optimizer steps once, at the last micro-batch (DeepSpeed's accumulation boundary is set
+by hand because the count varies from step to step).
 """
 
 from __future__ import annotations
@@ -21,9 +29,12 @@ import torch
 import torch.distributed as dist
 
 from arpo_async.core.config import Config
+from learner import tree_attention as TA
 from learner.batching import Batch, LeafSample, balanced_split, collate, token_logprobs
 from learner.device import model_load_kwargs, prepare_model, setup_device, to_device
+from learner.logprobs import packed_forward, packed_step_loss
 from learner.losses import LossInputs, policy_loss
+from learner.packing import PackedBatch, bins_needed, build_units, collate_packed, split_bins
 
 log = logging.getLogger("learner")
 
@@ -54,6 +65,30 @@ def deepspeed_config(cfg: Config, micro_batches: int) -> dict:
     return ds
 
 
+def padded_forward(model, batch: Batch, temperature: float, entropy: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log-probs [B, L-1], entropies or None) of a padded batch: the full logits."""
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+    logp = token_logprobs(out.logits, batch.input_ids, temperature)
+    if not entropy:
+        return logp, None
+    from arpo_async.core.entropy import entropy_from_logits
+
+    return logp, entropy_from_logits(out.logits[:, :-1].float() / temperature)
+
+
+def padded_step_loss(model, batch: Batch, settings, temperature: float, normaliser: float,
+                     proximal: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss of one padded micro-batch (the reference the packed paths must equal)."""
+    logp, entropy = padded_forward(model, batch, temperature,
+                                   bool(settings.entropy_coef or settings.aepo_entropy_adv_gamma))
+    inputs = LossInputs(
+        logprobs=logp, behaviour_logprobs=batch.behaviour, proximal_logprobs=proximal,
+        advantages=batch.advantages, loss_mask=batch.weight, entropy=entropy)
+    return policy_loss(inputs, settings, normaliser=normaliser)
+
+
 class PolicyTrainer:
     def __init__(self, cfg: Config, model_path: str):
         import deepspeed
@@ -69,6 +104,14 @@ class PolicyTrainer:
         # CPU: float32 master weights, sdpa; GPU: the training dtype, flash-attn if present
         model = AutoModelForCausalLM.from_pretrained(model_path, **model_load_kwargs(cfg))
         prepare_model(model, cfg)
+        self.packing = cfg.learner.packing
+        if self.packing != "padded":
+            self.base_attention = TA.enable(model)
+            self.attention = TA.resolve(cfg.learner.packed_attention, self.packing,
+                                        self.device.type, self.base_attention)
+            self.align = 128 if self.attention == "flex" else 1
+            log.info("learner packing %s, attention %s over %s", self.packing, self.attention,
+                     self.base_attention)
         optim = torch.optim.AdamW(model.parameters(), lr=cfg.learner.lr,
                                   weight_decay=cfg.learner.weight_decay)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
@@ -79,19 +122,16 @@ class PolicyTrainer:
 
     # ------------------------------------------------------------------ training
     def _forward_logprobs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        out = self.engine(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
-        logp = token_logprobs(out.logits, batch.input_ids, self.temperature)
-        entropy = None
-        if self.loss_settings.entropy_coef or self.loss_settings.aepo_entropy_adv_gamma:
-            from arpo_async.core.entropy import entropy_from_logits
-
-            entropy = entropy_from_logits(out.logits[:, :-1].float() / self.temperature)
-        return logp, entropy
+        s = self.loss_settings
+        return padded_forward(self.engine, batch, self.temperature,
+                              bool(s.entropy_coef or s.aepo_entropy_adv_gamma))
 
     def train_step(self, samples: list[LeafSample]) -> dict[str, float]:
         """One optimizer step on this rank's samples; collective over all ranks."""
+        if self.packing != "padded":
+            return self._train_packed(samples)
         t0 = time.perf_counter()
-        chunks = balanced_split(samples, self.micro_batches)
+        chunks = balanced_split(samples, self.micro_batches, keep_groups=False)
         batches = [to_device(collate(c, self.pad_id), self.device) for c in chunks]
         # on the device: NCCL reduces only GPU tensors
         local = torch.tensor([sum(b.num_weighted for b in batches)], dtype=torch.float64,
@@ -105,12 +145,9 @@ class PolicyTrainer:
                 proximal = [self._forward_logprobs(b)[0].detach() for b in batches]
         sums: dict[str, float] = {}
         for i, batch in enumerate(batches):
-            logp, entropy = self._forward_logprobs(batch)
-            inputs = LossInputs(
-                logprobs=logp, behaviour_logprobs=batch.behaviour,
-                proximal_logprobs=proximal[i] if proximal is not None else None,
-                advantages=batch.advantages, loss_mask=batch.weight, entropy=entropy)
-            loss, metrics = policy_loss(inputs, self.loss_settings, normaliser=total)
+            loss, metrics = padded_step_loss(self.engine, batch, self.loss_settings,
+                                             self.temperature, total,
+                                             proximal[i] if proximal is not None else None)
             # DeepSpeed averages gradients over ranks; the loss is already a share of
             # the global token mean, so undo that average.
             self.engine.backward(loss * self.world, scale_wrt_gas=False)
@@ -122,6 +159,64 @@ class PolicyTrainer:
         out = {f"loss/{k}": v / local_w for k, v in sums.items()}
         out["train_time_s"] = time.perf_counter() - t0
         out["grad_norm"] = float(self.engine.get_global_grad_norm() or 0.0)
+        return out
+
+    # ------------------------------------------------------------------ packed batches
+    def _packed_batches(self, samples: list[LeafSample]) -> list[PackedBatch]:
+        """This rank's units in as many micro-batches as the busiest rank needs."""
+        units = build_units(samples, self.packing)
+        sizes = [u.num_tokens for u in units]
+        cap = self.cfg.learner.max_tokens_per_microbatch
+        n = torch.tensor([max(self.micro_batches, bins_needed(sizes, cap))], device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        bins = split_bins(sizes, int(n.item()), cap)
+        return [to_device(collate_packed([units[i] for i in b], self.pad_id, self.align),
+                          self.device) for b in bins]
+
+    def _mask(self, batch: PackedBatch):
+        return TA.attention_mask(batch, self.attention, self.device,
+                                 next(self.engine.module.parameters()).dtype,
+                                 self.base_attention)
+
+    def _proximal(self, batch: PackedBatch) -> torch.Tensor:
+        with torch.no_grad():
+            return packed_forward(self.engine, self.engine.module.get_output_embeddings(),
+                                  batch, self._mask(batch), self.temperature,
+                                  self.cfg.learner.logprob_chunk_tokens, False)[0].detach()
+
+    def _train_packed(self, samples: list[LeafSample]) -> dict[str, float]:
+        t0 = time.perf_counter()
+        batches = self._packed_batches(samples)
+        local = torch.tensor([sum(b.num_weighted for b in batches)], dtype=torch.float64,
+                             device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(local)
+        total = max(float(local.item()), 1.0)
+        proximal = None
+        if self.cfg.learner.loss.proximal == "recompute":
+            proximal = [self._proximal(b) for b in batches]
+        sums: dict[str, float] = {}
+        for i, batch in enumerate(batches):
+            self.engine.set_gradient_accumulation_boundary(i == len(batches) - 1)
+            loss, metrics = packed_step_loss(
+                self.engine, self.engine.module.get_output_embeddings(), batch,
+                self._mask(batch), self.loss_settings, self.temperature,
+                self.cfg.learner.logprob_chunk_tokens, total,
+                proximal[i] if proximal is not None else None)
+            self.engine.backward(loss * self.world, scale_wrt_gas=False)
+            self.engine.step()
+            w = batch.num_weighted
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v) * w
+        local_w = max(sum(b.num_weighted for b in batches), 1e-9)
+        out = {f"loss/{k}": v / local_w for k, v in sums.items()}
+        out |= {"train_time_s": time.perf_counter() - t0,
+                "grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
+                "packing/microbatches": float(len(batches)),
+                "packing/tokens": float(sum(b.tokens for b in batches)),
+                "packing/leaf_tokens": float(sum(b.leaf_tokens for b in batches)),
+                "packing/kept_apart": float(sum(b.kept_apart for b in batches))}
         return out
 
     # ------------------------------------------------------------------ weights
