@@ -124,7 +124,11 @@ def test_writer_killed_mid_write_leaves_cache_sound(tmp_path):
         damage = [str(w.message) for w in warnings if not issubclass(w.category, orphans)]
         assert damage == [], "diskcache check found damage"
         if warnings:
-            cache.check(fix=True)
+            # Removing an orphan file can empty its folder (and that one its parent), which
+            # a later pass removes: value files sit two folders deep, so three passes at most
+            for _ in range(3):
+                left = cache.check(fix=True)
+                assert all(issubclass(w.category, orphans) for w in left), left
             assert cache.check() == []
         assert cache.get("python", "1", "print(0)") == "0" * 40_000
         cache.set("python", "1", "after", "still works")
