@@ -117,7 +117,9 @@ class LearnerLoop:
             cfg, keys=server_keys_for(cfg), vocab_size=model_cfg.vocab_size,
             max_tokens=getattr(model_cfg, "max_position_embeddings", None),
             resume=service_resume(self.run_dir, self.meta)) if self.rank == 0 else None
-        self.writer = MetricsWriter(self.run_dir) if self.rank == 0 else None
+        self.writer = (MetricsWriter(self.run_dir, wandb=cfg.metrics,
+                                     config=cfg.model_dump(mode="json"))
+                       if self.rank == 0 else None)
         self.probe = probe_sequence(model_cfg.vocab_size)
         meta = self.meta or {}
         self.step = self.first_step = meta.get("step", 0)

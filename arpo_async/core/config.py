@@ -378,6 +378,32 @@ class PipelineConfig(_Section):
         -1.0, description="evaluation temperature (< 0: sampling.temperature)")
 
 
+class MetricsConfig(_Section):
+    """Where the learner's metrics go besides RUN_DIR/metrics.jsonl and TensorBoard."""
+
+    wandb: bool = Field(False, description="also log every metrics line, the resolved config "
+                        "and the plots to Weights & Biases (needs the wandb package)")
+    wandb_project: str = Field("arpo_async", description="W&B project")
+    wandb_name: str = Field("", description="W&B run name ('' = the run folder's name)")
+    wandb_entity: str = Field("", description="W&B entity, user or team ('' = your default)")
+    wandb_mode: Literal["auto", "online", "offline"] = Field(
+        "auto", description="auto: WANDB_MODE when set, else online with an API key "
+        "(WANDB_API_KEY) and offline without one (RUN_DIR/wandb, `wandb sync` later)")
+
+    @model_validator(mode="after")
+    def _package(self) -> "MetricsConfig":
+        import importlib.util
+
+        try:
+            found = importlib.util.find_spec("wandb") is not None
+        except ImportError:
+            found = False
+        if self.wandb and not found:
+            raise ValueError("metrics.wandb=true needs the wandb package: "
+                             "pip install 'arpo_async[wandb]' (or pip install wandb)")
+        return self
+
+
 class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -391,6 +417,7 @@ class Config(_Section):
     sim: SimConfig = Field(default_factory=SimConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
     def check_trainable(self) -> None:
         """Settings that pass every field's check but would make an RL run learn nothing,
@@ -457,6 +484,9 @@ def _format_error(err: ValidationError) -> str:
         return first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
         return f"{key}: unknown key"
+    if first["type"] == "value_error":  # a section's own rule: its message says what is wrong
+        msg = first["msg"].removeprefix("Value error, ")
+        return msg if msg.startswith(key + ".") else f"{key}: {msg}"
     return f"{key}: {first['msg']} (got {first.get('input')!r})"
 
 

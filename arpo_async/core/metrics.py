@@ -1,6 +1,12 @@
 """Metrics: one JSON object per learner step in ``metrics.jsonl`` (appended, flushed, so a
-resumed run continues the same file), mirrored to TensorBoard; plus the fixed probe
-sequence that actors and learner both score to check they hold the same weights."""
+resumed run continues the same file), mirrored to TensorBoard and, with ``metrics.wandb``,
+to Weights & Biases; plus the fixed probe sequence that actors and learner both score to
+check they hold the same weights.
+
+W&B: one run per run folder. Its id is kept in ``RUN_DIR/wandb_id``, so a restarted or
+resumed learner, and the pipeline logging the plots at the end, continue the same run.
+Without an API key (and without ``WANDB_MODE``) it runs offline into ``RUN_DIR/wandb``
+(``wandb sync RUN_DIR/wandb/offline-run-*`` uploads it later)."""
 
 from __future__ import annotations
 
@@ -28,8 +34,31 @@ def _ends_with_newline(path: Path) -> bool:
         return f.read(1) == b"\n"
 
 
+def wandb_run(run_dir: str | Path, settings: Any, config: dict | None = None) -> Any:
+    """Start (or continue) the W&B run of ``run_dir``; ``settings``: ``cfg.metrics``."""
+    import os
+    import uuid
+
+    import wandb
+
+    run_dir = Path(run_dir)
+    id_file = run_dir / "wandb_id"
+    run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
+    id_file.write_text(run_id + "\n")
+    mode = settings.wandb_mode
+    if mode == "auto":
+        mode = os.environ.get("WANDB_MODE") or (
+            "online" if os.environ.get("WANDB_API_KEY") else "offline")
+    return wandb.init(project=settings.wandb_project, entity=settings.wandb_entity or None,
+                      name=settings.wandb_name or run_dir.resolve().name, id=run_id,
+                      resume="allow", dir=str(run_dir), mode=mode, config=config)
+
+
 class MetricsWriter:
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, wandb: Any = None,
+                 config: dict | None = None):
+        """``wandb``: ``cfg.metrics`` with ``wandb`` true to log there too (with
+        ``config``, the resolved config), or None."""
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a", buffering=1)
@@ -43,6 +72,8 @@ class MetricsWriter:
                 self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
             except Exception:  # tensorboard is optional at run time
                 self._tb = None
+        self._wandb = (wandb_run(run_dir, wandb, config)
+                       if wandb is not None and wandb.wandb else None)
 
     def write(self, record: dict[str, Any]) -> None:
         record = {"time": time.time(), **record}
@@ -51,11 +82,28 @@ class MetricsWriter:
             for k, v in flatten(record).items():
                 if k not in ("step", "time") and math.isfinite(v):
                     self._tb.add_scalar(k, v, int(record["step"]))
+        if self._wandb is not None and "step" in record:
+            self._wandb.log({k: v for k, v in flatten(record).items()
+                             if k not in ("step", "time") and math.isfinite(v)},
+                            step=int(record["step"]))
 
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def wandb_log_images(run_dir: str | Path, settings: Any, images: list[Path]) -> None:
+    """Add PNG files (the run's plots) to the run folder's W&B run, when there is one."""
+    if not settings.wandb or not images:
+        return
+    import wandb
+
+    run = wandb_run(run_dir, settings)
+    run.log({Path(p).stem: wandb.Image(str(p)) for p in images})
+    run.finish()
 
 
 def _json_default(obj: Any) -> Any:

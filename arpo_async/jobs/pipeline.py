@@ -246,6 +246,9 @@ def run(args) -> int:
         after = stages.run("eval_rl", run_eval, cfg, rl["checkpoint"], url, run_dir / "eval" / "rl")
     stages.state["wall_time_s"] = time.time() - t0
     summary = write_summary(run_dir, stages, before, rl, after)
+    from arpo_async.core.metrics import wandb_log_images
+
+    wandb_log_images(run_dir, cfg.metrics, [Path(p) for p in summary["plots"]])
     print_summary(summary)
     return 0
 

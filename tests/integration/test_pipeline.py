@@ -23,12 +23,15 @@ SMALL = ["pipeline.suite_entities=60", "pipeline.suite_sft=48", "pipeline.suite_
          "rollout.group_size=4", "rollout.initial_samples=2", "sampling.max_response_tokens=160",
          # every trace uses its tools: 60 steps on the default's 40% answering from memory
          # teach only that, and this test checks the tool path end to end
-         "pipeline.suite_direct=0"]
+         "pipeline.suite_direct=0",
+         # W&B beside TensorBoard, offline (no API key here): steps, config, plots
+         "metrics.wandb=true"]
 
 
 def _launch(*args: str, timeout: float = 540) -> subprocess.CompletedProcess:
     return subprocess.run([PY, "-m", "arpo_async.launch", "--quiet", *args], cwd=REPO,
-                          env=python_env(), capture_output=True, text=True, timeout=timeout)
+                          env=python_env() | {"WANDB_MODE": "offline"}, capture_output=True,
+                          text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +72,10 @@ def test_default_job_runs_every_stage(finished_run):
     assert rows and all(set(KEYS) <= set(r) for r in rows), rows[-1]
     assert summary["rl"]["branch_decisions"] == sum(r["branch/decisions"] for r in rows)
     assert 0.0 <= summary["rl"]["fork_rate"] <= 1.0
+    runs = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert runs and len({r.name.rsplit("-", 1)[1] for r in runs}) == 1  # one run id
+    plots = [p.name for r in runs for p in (r / "files" / "media").rglob("*.png")]
+    assert any(p.startswith("by_wall_time") for p in plots), plots
     assert len((data / "heldout.jsonl").read_text().splitlines()) == HELDOUT
 
 

@@ -14,7 +14,7 @@ from arpo_async.core.config import SPINE_CONFIG, ConfigError, load_config
     (["sampling.top_p=0.9"], "sampling.top_p=0.9: the actor records log-probs renormalised"),
     (["sampling.top_p=0.9", "learner.loss.is_mode=off", "learner.loss.proximal=recompute"],
      "sampling.top_p=0.9"),
-    (["learner.loss.dual_clip=0.5"], "learner.loss: Value error, dual_clip must be 0"),
+    (["learner.loss.dual_clip=0.5"], "learner.loss: dual_clip must be 0 (off) or > 1, got 0.5"),
 ])
 def test_refused_in_one_line_naming_the_key(overrides, needle):
     with pytest.raises(ConfigError) as err:
