@@ -67,13 +67,13 @@ def test_offline_run_holds_every_step_and_the_config(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.chdir(tmp_path)
     cfg = load_config(SPINE_CONFIG, [f"run.dir={tmp_path}", "metrics.wandb=true"])
+    began = -1
     for first, last in ((1, 2), (3, 3)):  # a restarted learner continues the same run
         # W&B names an offline folder by the second it starts in: a restart in the same
         # second would share the first part's folder
-        started = int(time.time())
-        while first > 1 and int(time.time()) == started_before:
+        while int(time.time()) == began:
             time.sleep(0.05)
-        started_before = started
+        began = int(time.time())
         w = MetricsWriter(tmp_path, tensorboard=False, wandb=cfg.metrics,
                           config=cfg.model_dump(mode="json"))
         for step in range(first, last + 1):
