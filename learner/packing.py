@@ -299,3 +299,19 @@ def collate_packed(units: list[PackedTree], pad_id: int, align: int = 1) -> Pack
         count=f32("count"), mp=f32("mp"), mn=f32("mn"), mz=f32("mz"), ap=f32("ap"), an=f32("an"),
         behaviour=f32("mu"), tokens=tokens, leaf_tokens=sum(u.leaf_tokens for u in units),
         kept_apart=sum(u.kept_apart for u in units))
+
+
+def pad_targets(batch: PackedBatch, k: int) -> PackedBatch:
+    """The batch with dummy targets (position 0, token 0, weight 0) up to ``k``: under
+    ZeRO-3 every rank must call the output layer as often (once per log-prob chunk), so
+    the ranks agree on the target count of each micro-batch."""
+    extra = k - batch.ctx.shape[0]
+    if extra <= 0:
+        return batch
+    from dataclasses import replace
+
+    def grow(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, t.new_zeros(extra)])
+
+    names = ("ctx", "targets", "count", "mp", "mn", "mz", "ap", "an", "behaviour")
+    return replace(batch, **{n: grow(getattr(batch, n)) for n in names})

@@ -34,7 +34,8 @@ from learner.batching import Batch, LeafSample, balanced_split, collate, token_l
 from learner.device import model_load_kwargs, prepare_model, setup_device, to_device
 from learner.logprobs import packed_forward, packed_step_loss
 from learner.losses import LossInputs, policy_loss
-from learner.packing import PackedBatch, bins_needed, build_units, collate_packed, split_bins
+from learner.packing import (PackedBatch, bins_needed, build_units, collate_packed,
+                             pad_targets, split_bins)
 
 log = logging.getLogger("learner")
 
@@ -171,8 +172,12 @@ class PolicyTrainer:
         if dist.is_initialized():
             dist.all_reduce(n, op=dist.ReduceOp.MAX)
         bins = split_bins(sizes, int(n.item()), cap)
-        return [to_device(collate_packed([units[i] for i in b], self.pad_id, self.align),
-                          self.device) for b in bins]
+        batches = [collate_packed([units[i] for i in b], self.pad_id, self.align) for b in bins]
+        if self.zero3 and dist.is_initialized():
+            k = torch.tensor([b.ctx.shape[0] for b in batches], device=self.device)
+            dist.all_reduce(k, op=dist.ReduceOp.MAX)
+            batches = [pad_targets(b, int(x)) for b, x in zip(batches, k.tolist())]
+        return [to_device(b, self.device) for b in batches]
 
     def _mask(self, batch: PackedBatch):
         return TA.attention_mask(batch, self.attention, self.device,

@@ -1,0 +1,123 @@
+"""The DeepSpeed learner with learner.packing = tree | flat takes the same optimizer steps
+as with padded: one rank (ZeRO-0, two micro-batches asked, more forced by
+max_tokens_per_microbatch) and two gloo ranks under ZeRO-3 (groups split whole over the
+ranks, micro-batch counts agreed between them). Branching groups with tool tokens in the
+shared prefixes, hard attribution, recompute mode and the dual clip."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import PY, REPO, python_env
+
+pytestmark = [pytest.mark.integration]
+
+_SCRIPT = r"""
+import json, sys
+from pathlib import Path
+import numpy as np
+import torch
+from arpo_async.core.config import SPINE_CONFIG as SPINE, load_config
+from arpo_async.core.protocol import Trajectory, TrajectoryGroup
+from learner.batching import balanced_split, samples_from_groups
+from learner.dist import init_distributed
+
+out_dir, model, zero, packing = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+init_distributed()
+import torch.distributed as dist
+rank, world = dist.get_rank(), dist.get_world_size()
+
+def groups(seed):
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in range(3):
+        leaves = []
+        for i in range(6):
+            parent = -1 if i < 3 else int(rng.integers(0, i))
+            n_own = int(rng.integers(4, 14))
+            toks = rng.integers(1, 500, n_own).astype(np.int32)
+            mask = (rng.random(n_own) > 0.25).astype(np.uint8)
+            lp = (-3 * rng.random(n_own)).astype(np.float32) * mask
+            ver = np.where(mask > 0, 0, -1).astype(np.int32)
+            bp = 0
+            if parent >= 0:
+                p = leaves[parent]
+                bp = int(rng.integers(1, len(p) + 1))
+                toks, mask = np.r_[p.tokens[:bp], toks], np.r_[p.loss_mask[:bp], mask]
+                lp, ver = np.r_[p.logprobs[:bp], lp], np.r_[p.versions[:bp], ver]
+            leaves.append(Trajectory(toks, mask, lp.astype(np.float32), ver,
+                                     reward=float(rng.integers(0, 3)), parent=parent,
+                                     branch_point=bp))
+        out.append(TrajectoryGroup(f"g{g}", 0, str(g), rng.integers(1, 500, 7).astype(np.int32),
+                                   leaves))
+    return out
+
+cfg = load_config(SPINE, [f"model.path={model}", f"learner.zero_stage={zero}",
+                         f"learner.world_size={world}", "learner.lr=0.001",
+                         "learner.micro_batches=2", f"learner.packing={packing}",
+                         "learner.max_tokens_per_microbatch=60", "learner.logprob_chunk_tokens=16",
+                         "learner.loss.advantage=hard", "learner.loss.proximal=recompute",
+                         "learner.loss.dual_clip=3.0"])
+from learner.trainer import PolicyTrainer
+torch.manual_seed(0)
+trainer = PolicyTrainer(cfg, model)
+metrics = []
+for seed in (1, 2):
+    samples, _ = samples_from_groups(groups(seed), "hard")
+    metrics.append(trainer.train_step(balanced_split(samples, world)[rank]))
+state = trainer.full_state()
+if rank == 0:
+    np.savez(out_dir / f"{packing}.npz", **state)
+    (out_dir / f"{packing}.json").write_text(json.dumps(metrics))
+"""
+
+
+def _run(tmp: Path, model: Path, zero: int, world: int, packing: str) -> tuple[dict, list]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [PY, "-c", _SCRIPT] if world == 1 else [
+        PY, "-m", "torch.distributed.run", f"--nproc-per-node={world}", f"--master-port={port}",
+        "--no-python", PY, "-c", _SCRIPT]
+    for attempt in (1, 2):
+        res = subprocess.run(cmd + [str(tmp), str(model), str(zero), packing], cwd=REPO,
+                             env=python_env() | {"OMP_NUM_THREADS": "1"}, capture_output=True,
+                             text=True, timeout=400)
+        # gloo ranks under ZeRO-3 sometimes die of SIGABRT ("terminate called without an
+        # active exception", also seen by tests/integration/test_resume.py): retry once,
+        # reported, never for a wrong result
+        if attempt == 1 and world > 1 and "(SIGABRT)" in res.stderr:
+            warnings.warn(f"two-rank trainer aborted; retrying once:\n{res.stderr[-3000:]}")
+            continue
+        break
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-6000:]
+    return (dict(np.load(tmp / f"{packing}.npz")),
+            json.loads((tmp / f"{packing}.json").read_text()))
+
+
+@pytest.mark.parametrize("world, zero, packings", [(1, 0, ("tree", "flat")), (2, 3, ("tree",))])
+def test_packed_steps_equal_padded_steps(tiny_model_dir, tmp_path, world, zero, packings):
+    ref, ref_metrics = _run(tmp_path, tiny_model_dir, zero, world, "padded")
+    for packing in packings:
+        got, metrics = _run(tmp_path, tiny_model_dir, zero, world, packing)
+        # one rank: the token cap splits the step beyond micro_batches=2
+        assert metrics[0]["packing/microbatches"] > (2 if world == 1 else 1)
+        assert metrics[0]["packing/tokens"] < metrics[0]["packing/leaf_tokens"] \
+            or packing == "flat"
+        for name, value in ref.items():
+            np.testing.assert_allclose(got[name], value, rtol=0, atol=2e-5, err_msg=name)
+        for mine, theirs in zip(metrics, ref_metrics):
+            for key in ("loss/ratio_mean", "loss/clip_frac_low",
+                        "loss/is_weight_mean"):
+                # a rank's metrics are its own tokens' means; with two ranks the split
+                # differs between the paths, so only one rank's figures compare
+                if world == 1:
+                    assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
+            assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-3)
