@@ -93,16 +93,21 @@ def flex_block_mask(end: np.ndarray, device):
 
 
 def _tile_attention(module, query, key, value, mask: TileMask, scaling, **_):
-    """query [1, H, T, D], key/value [1, KVH, T, D] -> [1, T, H, D]."""
+    """query [1, H, T, D], key/value [1, KVH, T, D] -> [1, T, H, D]. One gather of every
+    tile's keys and one split (whose backward is one concatenation): per-tile slicing
+    would make autograd add a full-size zero gradient per tile."""
     groups = query.shape[1] // key.shape[1]
+    kv_all = torch.cat([t.kv for t in mask.tiles])
+    sizes = [int(t.kv.shape[0]) for t in mask.tiles]
+    keys = key.index_select(2, kv_all)
+    values = value.index_select(2, kv_all)
     if groups > 1:
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
+        keys = keys.repeat_interleave(groups, dim=1)
+        values = values.repeat_interleave(groups, dim=1)
+    qs = torch.split(query, [t.q1 - t.q0 for t in mask.tiles], dim=2)
     outs = []
-    for t in mask.tiles:
-        q = query[:, :, t.q0:t.q1]
-        k = key.index_select(2, t.kv)
-        v = value.index_select(2, t.kv)
+    for t, q, k, v in zip(mask.tiles, qs, torch.split(keys, sizes, dim=2),
+                          torch.split(values, sizes, dim=2)):
         nq = t.q1 - t.q0
         if t.n_anc == 0:
             o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=nq > 1,
