@@ -48,10 +48,22 @@ def records(path: Path) -> list:
     return [Record.FromString(c) for c in chunks]
 
 
+def _finished(path: Path, timeout_s: float = 60.0) -> list:
+    """The records of a run file once its ``exit`` record is there: ``finish()`` returns
+    before W&B's service process has written the last records of an offline run."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        recs = records(path)
+        if any(r.WhichOneof("record_type") == "exit" for r in recs):
+            return recs
+        assert time.monotonic() < deadline, f"{path} never got its exit record"
+        time.sleep(0.1)
+
+
 def _history(run_dir: Path) -> tuple[list[dict], dict]:
     steps, config = [], {}
     for f in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")):
-        for r in records(f):
+        for r in _finished(f):
             kind = r.WhichOneof("record_type")
             if kind == "history":
                 steps.append({"/".join(i.nested_key) or i.key: json.loads(i.value_json)
@@ -71,15 +83,15 @@ def test_offline_run_holds_every_step_and_the_config(tmp_path, monkeypatch):
     for first, last in ((1, 2), (3, 3)):  # a restarted learner continues the same run
         # W&B names an offline folder by the second it starts in: a restart in the same
         # second would share the first part's folder
-        while int(time.time()) == began:
+        while int(time.time()) <= began:  # after the second the last part ended in
             time.sleep(0.05)
-        began = int(time.time())
         w = MetricsWriter(tmp_path, tensorboard=False, wandb=cfg.metrics,
                           config=cfg.model_dump(mode="json"))
         for step in range(first, last + 1):
             w.write({"step": step, "reward_mean": 0.1 * step, "branch/p_mean": 0.5,
                      "service": {"dropped": {"stale": 1}}})
         w.close()
+        began = int(time.time())
     steps, config = _history(tmp_path)
     logged = {int(s["_step"]): s for s in steps if "reward_mean" in s}
     assert sorted(logged) == [1, 2, 3]
