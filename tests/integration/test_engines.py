@@ -332,9 +332,18 @@ async def test_hf_update_weights_and_gate(hf_engine, hf_model, prompt, tokenizer
     calls = [asyncio.create_task(hf_engine.generate(GenRequest(prompt, max_tokens=8, seed=i)))
              for i in range(3)]
     await asyncio.sleep(0)
+    t0 = time.perf_counter()
     paused = await hf_engine.update_weights({k: v.numpy() for k, v in new.items()}, 3)
+    took = time.perf_counter() - t0
+    drained = [c.done() for c in calls]
     first = await asyncio.gather(*calls)
-    assert all(r.version == 0 for r in first) and hf_engine.version == 3 and paused >= 0
+    assert all(r.version == 0 for r in first) and hf_engine.version == 3
+    # the update waited until the three calls in flight had finished, then loaded; it
+    # returns that pause (hf_engine.update_weights: drain + load, inside the call's time)
+    assert drained == [True] * 3
+    held = hf_engine.last_update
+    assert paused == held["paused_s"] == pytest.approx(held["drain_s"] + held["load_s"]), held
+    assert 0 < paused <= took - held["convert_s"], (paused, took, held)
     after = np.array(await hf_engine.sequence_logprobs(prompt, tokens))
     original = {k: v.clone() for k, v in hf_model.state_dict().items()}
     try:

@@ -21,10 +21,11 @@ SILENT_S = 4  # learner.actor_silent_s of the kill+stall run
 # learner/service.py expire_silent, from the learner's ledger: only an actor with
 # outstanding tickets (granted, group not received) is named
 _RELEASED_ACTOR1 = re.compile(r"actor 1 silent for \d+ s: released its (\d+) tickets")
+_RELEASED_ACTOR0 = re.compile(r"actor 0 silent for \d+ s: released its (\d+) tickets")
 _LOADED_ACTOR1 = re.compile(r"actor 1: weights v(\d+) loaded")  # actors/actor.py
 
 
-def _poll(run: Run, cond, timeout: float, every: float = 0.05) -> bool:
+def _poll(run: Run, cond, timeout: float, every: float = 0.02) -> bool:
     """Whether ``cond`` became true within ``timeout`` s (False, not an error, when the
     launcher exited first: the caller's assertions say what was missing)."""
     deadline = time.monotonic() + timeout
@@ -41,13 +42,16 @@ def _stall_actor1(run: Run, pid: int) -> dict:
 
     When: after a fresh step, the moment actor 1 logs that it loaded that step's weights.
     Its weights load at a safe point (after its calls in flight drained), and right after
-    it its slots hold tickets granted at that version and generate with it (the slots
-    that delivered ask again, and the step that was just published opened capacity).
+    it its slots are granted tickets at that version and generate with it: the step just
+    published opened capacity, and a slot refused for its older weights asks again. A
+    group of 8 x 192 tokens then takes about a second; on the 96 tokens spine.yaml allows
+    (as sampling.max_response_tokens) it took ~0.4 s, which a later stop often missed.
     Whether it really held one is not guessed: the learner releases the tickets of an
     actor silent for ``actor_silent_s`` only if its ledger counts some outstanding, and
     logs it by actor (``held``). Such a group arrives after SIGCONT with tokens sampled
     3 versions back, past max_staleness=1: the learner's ledger drops it as stale
-    (RUN_DIR/state.json, per actor: ``stale_after``)."""
+    (RUN_DIR/state.json, per actor: ``stale_after``, and ``late_dropped`` when this stall
+    added to it)."""
     before = run.step()
     run.wait_for("a fresh step", lambda: run.step() > before, 120)
     fresh = run.step()
@@ -56,7 +60,10 @@ def _stall_actor1(run: Run, pid: int) -> dict:
         return max(map(int, _LOADED_ACTOR1.findall(run.role_log("actor1"))), default=-1)
 
     on_fresh = _poll(run, lambda: loaded() >= fresh, 60)
-    time.sleep(0.1)  # its slots asked for tickets and generate
+    # its slots ask for tickets and start generating: past the request's round trip (a
+    # ticket granted whose reply is still unread is held but has no tokens yet), well
+    # before the group's end
+    time.sleep(0.15)
     releases = len(_RELEASED_ACTOR1.findall(run.role_log("learner")))
     stale = _stale(run)
     signal_group(pid, signal.SIGSTOP)
@@ -66,10 +73,17 @@ def _stall_actor1(run: Run, pid: int) -> dict:
                      lambda: run.step() >= stopped_at + 3 and time.time() > t_stop + 5, 300)
     finally:
         signal_group(pid, signal.SIGCONT)
-    stalled_s = time.time() - t_stop
+    stalled_s, resumed_at, t_cont = time.time() - t_stop, run.step(), time.time()
     held = len(_RELEASED_ACTOR1.findall(run.role_log("learner"))) > releases
-    # the group it held arrives (finishing takes seconds) and is dropped as stale
-    late = held and _poll(run, lambda: _stale(run) > stale, 120, every=0.2)
+    # the group it held arrives (finishing it takes seconds) and is dropped as stale; a
+    # few steps without that drop (the ticket was granted but its reply not yet read when
+    # it stopped: that group starts on new weights) leave steps for another try
+    def dropped() -> bool:
+        return _stale(run) > stale
+
+    late = held and _poll(run, lambda: dropped() or (
+        run.step() >= resumed_at + 3 and time.time() > t_cont + 10), 60, every=0.2)
+    late = late and dropped()
     return {"fresh": fresh, "on_fresh_weights": on_fresh, "stopped_at": stopped_at,
             "stalled_s": round(stalled_s), "held": held, "stale_after": _stale(run),
             "late_dropped": late}
@@ -89,20 +103,25 @@ def test_killed_actor_restarts_and_a_stalled_one_only_loses_its_late_groups(tiny
 
     Actor 1 is stopped while it holds a ticket (``_stall_actor1``), and the stall is
     repeated (at most 3 times) until the learner's ledger shows actor 1's late group
-    dropped as stale: the tickets actor 0 held when killed are released as
-    "actor_silent" too, so that counter alone does not tell that actor 1 held one."""
+    dropped as stale. (Tickets actor 0 held when it was killed may be released as
+    "actor_silent" too: that counter alone does not tell that actor 1 held one.)"""
     # long groups (a random model rarely stops early): actors are busy generating, so a
-    # stopped actor holds tickets
+    # stopped actor holds tickets (spine.yaml caps responses at 96 tokens: lift it too)
     run = Run(tmp_path / "run", tiny_model_dir, "actors.num=2", "learner.max_steps=30",
               "rollout.mode=grpo", "rollout.group_size=8", "sampling.max_new_tokens=192",
-              "learner.batch_groups=2",
+              "sampling.max_response_tokens=192", "learner.batch_groups=2",
               "actors.concurrent_groups=2", f"learner.actor_silent_s={SILENT_S}",
               "actors.restart_backoff_s=1", "actors.max_restarts=2")
     run.wait_for("step 2", lambda: run.step() >= 2, 400)
     first = run.pids()
     signal_group(first["actor0"], signal.SIGKILL)
-    killed_at = run.step()
+    killed_at, t_kill = run.step(), time.time()
     run.wait_for("two steps without actor 0", lambda: run.step() >= killed_at + 2, 120)
+    # the tickets the dead actor 0 held count against admission until the learner releases
+    # them (silent for actor_silent_s): until then actor 1 may be refused for capacity, and
+    # hold none. Either they are released (logged), or it had none (no line).
+    _poll(run, lambda: _RELEASED_ACTOR0.search(run.role_log("learner")) is not None,
+          t_kill + SILENT_S + 4 - time.time(), every=0.2)
 
     stalls = []
     for _ in range(3):
