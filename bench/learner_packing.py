@@ -22,8 +22,9 @@ time on ``arpo``.
 Part 2, log-prob memory at V = 151,936, L = 4096 tokens: an output layer (hidden 128,
 fp32) and the log-prob of each next token with its backward, unchunked (the padded
 path's ``token_logprobs``: full fp32 log_softmax of [L, V]) against
-``learner.logprobs.chunked_logprobs`` with 1024-token chunks; peak RSS growth in a fresh
-process each.
+``learner.logprobs.chunked_logprobs`` with the default ``learner.logprob_chunk_tokens``
+(512) and with 1024-token chunks; peak RSS growth in a fresh process each. The ratio
+uses the default.
 
 The last line is ``RESULT learner_packing speedup=<x> target=1.7 met|missed``.
 ``python bench/learner_packing.py [--steps 4] [--skip-memory]``; about 4 minutes.
@@ -229,13 +230,17 @@ def main() -> None:
     print(f"tree vs padded: arpo {speed['arpo']:.2f}x, grpo {speed['grpo']:.2f}x")
     memory = []
     if not a.skip_memory:
-        for chunk in (0, 1024):
+        from arpo_async.core.config import LearnerConfig
+
+        default = LearnerConfig().logprob_chunk_tokens
+        for chunk in (0, default, 1024):
             m = _child(["memory", str(chunk)])
             memory.append(m)
             print(f"log-probs L=4096 V=151936 chunk {chunk or 'none':>5}: peak RSS "
                   f"+{m['peak_rss_growth_mb']:.0f} MB, {m['seconds']:.1f} s", flush=True)
         ratio = memory[0]["peak_rss_growth_mb"] / max(memory[1]["peak_rss_growth_mb"], 1e-9)
-        print(f"log-prob memory unchunked / chunked: {ratio:.1f}x (target 4x "
+        print(f"log-prob memory unchunked / chunked ({default}-token chunks, the default): "
+              f"{ratio:.1f}x (target 4x "
               f"{'met' if ratio >= 4 else 'missed'})")
     write_results("learner_packing", {"steps": rows, "speedup": speed, "memory": memory},
                   a.out)

@@ -213,7 +213,7 @@ class LearnerConfig(_Section):
         False, description="recompute activations in backward: less memory on long sequences, "
         "about a third more compute")
     packing: Literal["tree", "flat", "padded"] = Field(
-        "padded", description="learner batches: tree (each group one packed sequence, prompt and "
+        "tree", description="learner batches: tree (each group one packed sequence, prompt and "
         "shared prefixes computed once, tree attention mask), flat (leaves concatenated, no "
         "padding) or padded (one right-padded row per leaf)")
     max_tokens_per_microbatch: int = Field(
@@ -221,7 +221,7 @@ class LearnerConfig(_Section):
         "group gets one of its own); micro-batches = max(micro_batches, what this needs); 0: "
         "no limit")
     logprob_chunk_tokens: int = Field(
-        1024, ge=0, description="tree/flat packing: log-probs and entropies over the vocabulary "
+        512, ge=0, description="tree/flat packing: log-probs and entropies over the vocabulary "
         "this many tokens at a time, recomputed in backward (0: all at once)")
     packed_attention: Literal["auto", "dense", "tiles", "flex", "varlen"] = Field(
         "auto", description="tree/flat attention: dense 4D mask (sdpa/eager), tiles (one sdpa "
