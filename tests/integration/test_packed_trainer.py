@@ -94,7 +94,8 @@ def _run(tmp: Path, model: Path, zero: int, world: int, packing: str) -> tuple[d
         # active exception", also seen by tests/integration/test_resume.py): retry once,
         # reported, never for a wrong result
         if attempt == 1 and world > 1 and "(SIGABRT)" in res.stderr:
-            warnings.warn(f"two-rank trainer aborted; retrying once:\n{res.stderr[-3000:]}")
+            warnings.warn(f"two-rank trainer aborted; retrying once:\n{res.stderr[-3000:]}",
+                          stacklevel=2)
             continue
         break
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-6000:]
