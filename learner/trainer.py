@@ -134,31 +134,42 @@ class PolicyTrainer:
         t0 = time.perf_counter()
         chunks = balanced_split(samples, self.micro_batches, keep_groups=False)
         batches = [to_device(collate(c, self.pad_id), self.device) for c in chunks]
+        proximal = None
+        if self.cfg.learner.loss.proximal == "recompute":
+            with torch.no_grad():
+                proximal = [self._forward_logprobs(b)[0].detach() for b in batches]
+
+        def loss_of(i: int, batch: Batch, total: float):
+            return padded_step_loss(self.engine, batch, self.loss_settings, self.temperature,
+                                    total, proximal[i] if proximal is not None else None)
+
+        out = self._accumulate(batches, loss_of, set_boundary=False)
+        out["train_time_s"] = time.perf_counter() - t0
+        return out
+
+    def _accumulate(self, batches: list, loss_of, set_boundary: bool) -> dict[str, float]:
+        """Backward each micro-batch's share of the step's token-mean loss (``loss_of(i,
+        batch, total)``, ``total`` the loss-weighted tokens over all ranks), then the
+        optimizer step; the loss metrics averaged over this rank's weighted tokens."""
         # on the device: NCCL reduces only GPU tensors
         local = torch.tensor([sum(b.num_weighted for b in batches)], dtype=torch.float64,
                              device=self.device)
         if dist.is_initialized():
             dist.all_reduce(local)
         total = max(float(local.item()), 1.0)
-        proximal = None
-        if self.cfg.learner.loss.proximal == "recompute":
-            with torch.no_grad():
-                proximal = [self._forward_logprobs(b)[0].detach() for b in batches]
         sums: dict[str, float] = {}
         for i, batch in enumerate(batches):
-            loss, metrics = padded_step_loss(self.engine, batch, self.loss_settings,
-                                             self.temperature, total,
-                                             proximal[i] if proximal is not None else None)
+            if set_boundary:
+                self.engine.set_gradient_accumulation_boundary(i == len(batches) - 1)
+            loss, metrics = loss_of(i, batch, total)
             # DeepSpeed averages gradients over ranks; the loss is already a share of
             # the global token mean, so undo that average.
             self.engine.backward(loss * self.world, scale_wrt_gas=False)
             self.engine.step()
-            w = batch.num_weighted
             for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * w
+                sums[k] = sums.get(k, 0.0) + float(v) * batch.num_weighted
         local_w = max(sum(b.num_weighted for b in batches), 1e-9)
         out = {f"loss/{k}": v / local_w for k, v in sums.items()}
-        out["train_time_s"] = time.perf_counter() - t0
         out["grad_norm"] = float(self.engine.get_global_grad_norm() or 0.0)
         return out
 
@@ -193,31 +204,19 @@ class PolicyTrainer:
     def _train_packed(self, samples: list[LeafSample]) -> dict[str, float]:
         t0 = time.perf_counter()
         batches = self._packed_batches(samples)
-        local = torch.tensor([sum(b.num_weighted for b in batches)], dtype=torch.float64,
-                             device=self.device)
-        if dist.is_initialized():
-            dist.all_reduce(local)
-        total = max(float(local.item()), 1.0)
         proximal = None
         if self.cfg.learner.loss.proximal == "recompute":
             proximal = [self._proximal(b) for b in batches]
-        sums: dict[str, float] = {}
-        for i, batch in enumerate(batches):
-            self.engine.set_gradient_accumulation_boundary(i == len(batches) - 1)
-            loss, metrics = packed_step_loss(
+
+        def loss_of(i: int, batch: PackedBatch, total: float):
+            return packed_step_loss(
                 self.engine, self.engine.module.get_output_embeddings(), batch,
                 self._mask(batch), self.loss_settings, self.temperature,
                 self.cfg.learner.logprob_chunk_tokens, total,
                 proximal[i] if proximal is not None else None)
-            self.engine.backward(loss * self.world, scale_wrt_gas=False)
-            self.engine.step()
-            w = batch.num_weighted
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * w
-        local_w = max(sum(b.num_weighted for b in batches), 1e-9)
-        out = {f"loss/{k}": v / local_w for k, v in sums.items()}
+
+        out = self._accumulate(batches, loss_of, set_boundary=True)
         out |= {"train_time_s": time.perf_counter() - t0,
-                "grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
                 "packing/microbatches": float(len(batches)),
                 "packing/tokens": float(sum(b.tokens for b in batches)),
                 "packing/leaf_tokens": float(sum(b.leaf_tokens for b in batches)),
