@@ -76,6 +76,7 @@ class Control:
 
 class Source:
     position = 0
+    skipped_long = 0  # prompts too long for the engine (PromptSource)
 
 
 def make_actor(tmp_path, engine, control, sync="zmq"):
