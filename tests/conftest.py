@@ -52,3 +52,29 @@ def python_env() -> dict[str, str]:
 
 
 PY = sys.executable
+
+
+def run_ranks(script: str, args: list[str], world: int, timeout: float):
+    """Run the Python ``script`` (a ``-c`` program) as one process, or as ``world`` torchrun
+    ranks on a free port, in the repo with one CPU thread each. Gloo ranks of a two-rank
+    ZeRO-3 run once died of SIGABRT in CI (passing on every rerun since): one retry for
+    that, reported, never for a wrong result."""
+    import socket
+    import subprocess
+    import warnings
+
+    with socket.socket() as sock:  # torchrun's rendezvous hangs on port 0
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [PY, "-c", script] if world == 1 else [
+        PY, "-m", "torch.distributed.run", f"--nproc-per-node={world}", f"--master-port={port}",
+        "--no-python", PY, "-c", script]
+    for attempt in (1, 2):
+        res = subprocess.run(cmd + args, cwd=REPO, env=python_env() | {"OMP_NUM_THREADS": "1"},
+                             capture_output=True, text=True, timeout=timeout)
+        if attempt == 1 and world > 1 and "(SIGABRT)" in res.stderr:
+            warnings.warn(f"{world}-rank run aborted; retrying once:\n{res.stderr[-3000:]}",
+                          stacklevel=2)
+            continue
+        return res
+    return res

@@ -378,6 +378,15 @@ class PipelineConfig(_Section):
         -1.0, description="evaluation temperature (< 0: sampling.temperature)")
 
 
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:
+        return False
+
+
 class MetricsConfig(_Section):
     """Where the learner's metrics go besides RUN_DIR/metrics.jsonl and TensorBoard."""
 
@@ -392,13 +401,7 @@ class MetricsConfig(_Section):
 
     @model_validator(mode="after")
     def _package(self) -> "MetricsConfig":
-        import importlib.util
-
-        try:
-            found = importlib.util.find_spec("wandb") is not None
-        except ImportError:
-            found = False
-        if self.wandb and not found:
+        if self.wandb and not _importable("wandb"):
             raise ValueError("metrics.wandb=true needs the wandb package: "
                              "pip install 'arpo_async[wandb]' (or pip install wandb)")
         return self

@@ -131,7 +131,8 @@ async def _run_items(rollout: Any, source: Any, prompts: list, kinds: dict, toke
         nonlocal done, tokens
         async with slots:
             try:
-                group = await rollout.run(source.encode(prompt), actor_id=0)
+                group = await rollout.run(prompt if prompt.tokens else source.encode(prompt),
+                                          actor_id=0)
             except Exception as exc:  # one request's engine or tool error: counted, go on
                 items[i] = {"id": prompt.id, "row": prompt.meta.get("row"),
                             "question": prompt.question,

@@ -7,15 +7,12 @@ shared prefixes, hard attribution, recompute mode and the dual clip."""
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.conftest import PY, REPO, python_env
+from tests.conftest import run_ranks
 
 pytestmark = [pytest.mark.integration]
 
@@ -80,24 +77,7 @@ if rank == 0:
 
 
 def _run(tmp: Path, model: Path, zero: int, world: int, packing: str) -> tuple[dict, list]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [PY, "-c", _SCRIPT] if world == 1 else [
-        PY, "-m", "torch.distributed.run", f"--nproc-per-node={world}", f"--master-port={port}",
-        "--no-python", PY, "-c", _SCRIPT]
-    for attempt in (1, 2):
-        res = subprocess.run(cmd + [str(tmp), str(model), str(zero), packing], cwd=REPO,
-                             env=python_env() | {"OMP_NUM_THREADS": "1"}, capture_output=True,
-                             text=True, timeout=400)
-        # gloo ranks under ZeRO-3 sometimes die of SIGABRT ("terminate called without an
-        # active exception", also seen by tests/integration/test_resume.py): retry once,
-        # reported, never for a wrong result
-        if attempt == 1 and world > 1 and "(SIGABRT)" in res.stderr:
-            warnings.warn(f"two-rank trainer aborted; retrying once:\n{res.stderr[-3000:]}",
-                          stacklevel=2)
-            continue
-        break
+    res = run_ranks(_SCRIPT, [str(tmp), str(model), str(zero), packing], world, 400)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-6000:]
     return (dict(np.load(tmp / f"{packing}.npz")),
             json.loads((tmp / f"{packing}.json").read_text()))

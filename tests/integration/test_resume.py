@@ -9,16 +9,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
-import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.conftest import PY, REPO, SPINE, python_env
+from tests.conftest import PY, REPO, SPINE, python_env, run_ranks
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -73,22 +71,7 @@ if rank == 0:
 
 
 def _trainer(mode: str, run_dir: Path, model: Path, zero: int, world: int) -> dict:
-    with socket.socket() as sock:  # torchrun's rendezvous hangs on port 0
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [PY, "-c", _TRAINER] if world == 1 else [
-        PY, "-m", "torch.distributed.run", f"--nproc-per-node={world}", f"--master-port={port}",
-        "--no-python", PY, "-c", _TRAINER]
-    for attempt in (1, 2):
-        res = subprocess.run(cmd + [mode, str(run_dir), str(model), str(zero)], cwd=REPO,
-                             env=python_env() | {"OMP_NUM_THREADS": "1"}, capture_output=True,
-                             text=True, timeout=300)
-        # Once in CI a gloo rank of the two-rank ZeRO-3 run died of SIGABRT (passing on
-        # every rerun since): one retry for that, reported, never for a wrong result.
-        if attempt == 1 and world > 1 and "(SIGABRT)" in res.stderr:
-            warnings.warn(f"two-rank trainer aborted; retrying once:\n{res.stderr[:3000]}")
-            continue
-        break
+    res = run_ranks(_TRAINER, [mode, str(run_dir), str(model), str(zero)], world, 300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[:3000] + res.stderr[-4000:]
     return dict(np.load(run_dir / f"{mode}.npz"))
 

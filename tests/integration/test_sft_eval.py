@@ -213,7 +213,8 @@ async def test_one_failing_request_is_counted_and_the_rest_goes_on():
 
     source = SimpleNamespace(encode=lambda p: p)
     tok = SimpleNamespace(decode=lambda ids, skip_special_tokens=False: "x")
-    prompts = [SimpleNamespace(id=i, kind="math", question="q", answers=["1"], meta={"row": n})
+    prompts = [SimpleNamespace(id=i, kind="math", question="q", answers=["1"], meta={"row": n},
+                               tokens=[])
                for n, i in enumerate("abc", 1)]
     lines: list[str] = []
     items, tokens = await _run_items(Rollout(), source, prompts, {}, tok, 2, lines.append)
