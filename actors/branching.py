@@ -138,6 +138,9 @@ def aepo_global_samples(h_root: float, h_tool: float | Sequence[float], budget: 
     return int(min(budget, max(1, m)))
 
 
+P_BAND = 0.05  # |P - 0.5| <= P_BAND: the decision is about a coin flip, entropy barely acts
+
+
 class BranchPlanner:
     """Branching state of ONE prompt group; create one per group, never reuse it."""
 
@@ -156,7 +159,8 @@ class BranchPlanner:
         self._live: set[int] = set()
         self._leaves: list[int] = []
         self._count = {"global_samples": 0, "fills": 0, "forks": 0, "tool_rounds": 0,
-                       "branch_events": 0, "blocked_by_budget": 0, "entropy_missing": 0}
+                       "branch_events": 0, "blocked_by_budget": 0, "entropy_missing": 0,
+                       "p_outside_band": 0}
         self._p_sum = self._p_sq_sum = self._dh_sum = 0.0
         self._p_min, self._p_max = math.inf, -math.inf
 
@@ -209,7 +213,8 @@ class BranchPlanner:
 
     def stats(self) -> dict[str, float]:
         """Counters and the branch probabilities' sums of this group, to be added up
-        across groups (learner/rollout_metrics.py): ``tool_rounds`` decisions, ``p_sum``,
+        across groups (learner/rollout_metrics.py): ``tool_rounds`` decisions,
+        ``p_outside_band`` (decisions with P outside [0.5 - P_BAND, 0.5 + P_BAND]), ``p_sum``,
         ``p_sq_sum``, ``p_min``, ``p_max`` (0 without decisions), ``dh_sum``, means."""
         rounds = self._count["tool_rounds"]
         out = {k: float(v) for k, v in self._count.items()}
@@ -304,6 +309,7 @@ class BranchPlanner:
         self._count["branch_events"] += 1 if n else 0
         self._count["forks"] += n
         self._count["blocked_by_budget"] += 1 if want and n == 0 else 0
+        self._count["p_outside_band"] += 1 if abs(p - 0.5) > P_BAND else 0
         self._p_sum += p
         self._p_sq_sum += p * p
         self._p_min, self._p_max = min(self._p_min, p), max(self._p_max, p)

@@ -188,7 +188,10 @@ def branch_means(rows: list[dict]) -> dict:
     forks = sum(r.get("branch/forks", 0) for r in rows)
     out = {"branch_decisions": decisions, "branch_forks": forks,
            "branch_fills": sum(r.get("branch/fills", 0) for r in rows),
-           "fork_rate": round(forks / decisions, 4) if decisions else 0.0}
+           "fork_rate": round(forks / decisions, 4) if decisions else 0.0,
+           # share of all decisions with P outside [0.45, 0.55]: is the entropy signal acting?
+           "p_outside_band_share": (round(sum(r.get("branch/p_outside_band", 0) for r in rows)
+                                          / decisions, 4) if decisions else 0.0)}
     for key in ("branch/p_mean", "branch/p_std", "branch/dh_mean", "branch/leaves_per_group",
                 "tools/executed_per_leaf"):
         vals = [r[key] for r in rows if key in r]

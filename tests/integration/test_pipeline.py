@@ -72,6 +72,7 @@ def test_default_job_runs_every_stage(finished_run):
     assert rows and all(set(KEYS) <= set(r) for r in rows), rows[-1]
     assert summary["rl"]["branch_decisions"] == sum(r["branch/decisions"] for r in rows)
     assert 0.0 <= summary["rl"]["fork_rate"] <= 1.0
+    assert 0.0 <= summary["rl"]["p_outside_band_share"] <= 1.0
     runs = sorted((run_dir / "wandb").glob("offline-run-*"))
     assert runs and len({r.name.rsplit("-", 1)[1] for r in runs}) == 1  # one run id
     plots = [p.name for r in runs for p in (r / "files" / "media").rglob("*.png")]

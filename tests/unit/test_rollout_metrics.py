@@ -56,3 +56,4 @@ def test_planner_sums_match_its_decisions():
     assert m["branch/p_std"] == pytest.approx(np.std(ps))
     assert (m["branch/p_min"], m["branch/p_max"]) == (pytest.approx(0.3), 1.0)
     assert m["branch/decisions"] == 4 and m["branch/forks"] == stats["forks"]
+    assert m["branch/p_outside_band"] == 3  # 0.3, 0.8 and 1.0; 0.5 is inside [0.45, 0.55]
