@@ -2,11 +2,24 @@
 
 Every trajectory of the group runs as its own asyncio task, so one slow tool call never
 stalls the others, and all rounds of all groups share the engine's batch. A round ends at
-a closing tool tag, ``</answer>``, end of sequence or the length limit. After a tool
+the end of a tool call, ``</answer>``, end of sequence or the length limit. After a tool
 call the result is appended as token ids (loss mask 0, never sampled, never
-re-tokenising what came before), and the next round's window entropy goes to the
-group's ``BranchPlanner``; a fork copies every token up to and including the tool
-result (so the call is not run again) and resamples the round from there.
+re-tokenising what came before): ``<result>...</result>`` or the chat template's tool
+message, as ``tools.syntax`` says (toolenv/syntax.py). The next round's window entropy
+goes to the group's ``BranchPlanner``; a fork copies every token up to and including the
+tool result (so the call is not run again) and resamples the round from there.
+
+A tag that is several tokens (a tokenizer like Qwen's, ``--tags-as-text``) stops the
+round through a stop *string*. The engine stops at the first stop string in the round's
+text but keeps the token that completed it whole, so the ids can run past the tag
+(``</python>`` ending inside the token ``>\n``). The boundary rule (docs/design.md "Tags
+as text"): every sampled id stays in the trajectory, with its behaviour log-prob; the call
+is parsed from the decoded text up to the end of the stop string, once; the characters
+of the last token after it (the *overhang*) are model text; the tool result follows the
+overhang, and when the overhang is a prefix of the text to insert (``\n`` before
+``\n<result>``) that prefix is not inserted again (``after_overhang``). So the decoded
+trajectory reads call, result exactly as with single-token tags when the overhang is such
+a prefix, and call, overhang, result otherwise (the format rules judge that text).
 
 Entropy comes from the engine's top-k log-probs with the tail-corrected estimate
 (``arpo_async.core.entropy``), normalised by log V per token, and summed over the round's
@@ -25,7 +38,8 @@ from actors.engines.base import GenerationEngine, GenRequest
 from actors.rollout import new_group_id
 from arpo_async.core.entropy import entropy_from_topk, window_entropy
 from arpo_async.core.protocol import Trajectory, TrajectoryGroup
-from toolenv.tags import STOP_TAGS, find_tool_call, format_result
+from toolenv.syntax import build_syntax
+from toolenv.tags import ToolCall
 from toolenv.tasks.prompts import Prompt, PromptSource
 
 
@@ -44,12 +58,29 @@ class _Path:
     snapshot: int = 0  # length at the end of the last tool result (where forks start)
     rounds: int = 0
     finish_reason: str = ""
+    overhang: str = ""  # text of the last round's last token past its stop string
 
     def fork(self, tid: int) -> _Path:
         """A fork shares everything up to and including the last tool result."""
         n = self.snapshot
         return _Path(tid, self.tokens[:n], self.mask[:n], self.logprobs[:n], self.versions[:n],
                      self.tool_calls, branch_point=n, rounds=self.rounds - 1)
+
+
+def split_at_stop(text: str, stop_reason: object) -> tuple[str, str]:
+    """(the round's text through its stop string, the overhang after it). The engine
+    stopped at the first occurrence of ``stop_reason``; a stop token id or EOS (not a
+    string) leaves no overhang."""
+    if isinstance(stop_reason, str) and stop_reason and (at := text.find(stop_reason)) >= 0:
+        end = at + len(stop_reason)
+        return text[:end], text[end:]
+    return text, ""
+
+
+def after_overhang(overhang: str, inserted: str) -> str:
+    """The text to insert after a round whose last token ran ``overhang`` past its stop
+    string: ``inserted`` without the prefix the model already wrote, if it wrote one."""
+    return inserted[len(overhang):] if overhang and inserted.startswith(overhang) else inserted
 
 
 class AgentRollout:
@@ -59,8 +90,10 @@ class AgentRollout:
         self.tools, self.rng = tools, rng
         self.settings = BranchSettings.from_config(cfg.rollout)
         self.vocab = len(tokenizer)
+        # tools.syntax: where rounds stop, how calls are read and results inserted
+        self.syntax = getattr(source, "syntax", None) or build_syntax(cfg.tools, tokenizer)
         self.stop_ids, self.stop_strings = [], []
-        for tag in STOP_TAGS:
+        for tag in self.syntax.stop_strings:
             ids = tokenizer.encode(tag, add_special_tokens=False)
             if len(ids) == 1:
                 self.stop_ids.append(ids[0])
@@ -86,11 +119,20 @@ class AgentRollout:
         ent = entropy_from_topk(res.top_logprobs, self.vocab) if res.top_logprobs else []
         h = (window_entropy(ent, self.settings.entropy_window, self.settings.entropy_reduce)
              if len(ent) else float("nan"))
-        return self.tokenizer.decode(res.tokens, skip_special_tokens=False), h, res.finish_reason
+        text = self.tokenizer.decode(res.tokens, skip_special_tokens=False)
+        text, path.overhang = (split_at_stop(text, res.stop_reason) if res.finish_reason == "stop"
+                               else (text, ""))
+        return text, h, res.finish_reason
 
-    async def _tool(self, path: _Path, name: str, args: str) -> None:
-        result = await self.tools.call(name, args)
-        ids = self.tokenizer.encode(format_result(result.text), add_special_tokens=False)
+    async def _tool(self, path: _Path, call: ToolCall) -> None:
+        # A call that cannot run (hermes: bad JSON, unknown tool, bad arguments) is
+        # answered with its error, as a serving stack's tool executor would, and counted.
+        result = (self.tools.reject(call.name, call.error) if call.error
+                  else await self.tools.call(call.name, call.args))
+        inserted = self.syntax.result_text(result.text)
+        if self.syntax.name == "arpo":  # the template's tool turn (hermes) is inserted whole
+            inserted = after_overhang(path.overhang, inserted)
+        ids = self.tokenizer.encode(inserted, add_special_tokens=False)
         path.tokens += ids
         path.mask += [0] * len(ids)
         path.logprobs += [0.0] * len(ids)
@@ -114,12 +156,12 @@ class AgentRollout:
                     forks, _ = planner.after_tool_round(path.tid, h)
                     for tid in forks:
                         group.spawn(self._drive(prompt, path.fork(tid), group))
-            call = find_tool_call(text) if finish == "stop" else None
+            call = self.syntax.find_call(text) if finish == "stop" else None
             room = self.cfg.sampling.max_response_tokens - len(path.tokens)
             if call is None or path.tool_calls >= self.cfg.rollout.tool_call_limit or room <= 0:
                 path.finish_reason = ("tool_limit" if call is not None else finish)
                 break
-            await self._tool(path, call.name, call.args)
+            await self._tool(path, call)
             group.executed += 1
             if len(path.tokens) >= self.cfg.sampling.max_response_tokens:
                 # The result used up the budget: another round would ask for <= 0 tokens.

@@ -35,15 +35,17 @@ class PlainRollout:
         self.cfg, self.engine, self.source, self.tokenizer, self.rng = (
             cfg, engine, source, tokenizer, rng)
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-        self.stop_ids = eos + [i for i in tokenizer.convert_tokens_to_ids(["</answer>"])
-                               if i is not None and i != tokenizer.unk_token_id]
+        answer = tokenizer.encode("</answer>", add_special_tokens=False)
+        # a tag that is several tokens (a real tokenizer) stops as a string
+        self.stop_ids = eos + (answer if len(answer) == 1 else [])
+        self.stop = [] if len(answer) == 1 else ["</answer>"]
 
     async def _sample(self, prompt: Prompt) -> Trajectory:
         s = self.cfg.sampling
         res = await self.engine.generate(GenRequest(
             prompt_tokens=prompt.tokens, max_tokens=min(s.max_new_tokens, s.max_response_tokens),
             temperature=s.temperature, top_p=s.top_p, stop_token_ids=self.stop_ids,
-            logprobs_topk=s.logprobs_topk, seed=int(self.rng.integers(2**31))))
+            stop=self.stop, logprobs_topk=s.logprobs_topk, seed=int(self.rng.integers(2**31))))
         text = self.tokenizer.decode(res.tokens, skip_special_tokens=False)
         reward, score = self.source.score(text, prompt)
         n = len(res.tokens)

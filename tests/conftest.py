@@ -38,6 +38,15 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tags_as_text_model_dir(tmp_path_factory) -> Path:
+    """The tiny model with a tokenizer like a real one: no ARPO tag is a token."""
+    from arpo_async.jobs.tiny_model import build_tiny_model
+
+    return Path(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-text",
+                                 tags_as_text=True))
+
+
+@pytest.fixture(scope="session")
 def data_dir() -> Path:
     if not DATA_DIR.is_dir():
         pytest.skip(f"real data folder {DATA_DIR} not found (it ships beside the repo, not in it)")

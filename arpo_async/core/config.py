@@ -64,6 +64,10 @@ class ModelConfig(_Section):
     tiny_layers: int = Field(2, description="tiny model transformer layers")
     tiny_heads: int = Field(4, description="tiny model attention heads (head_dim >= 32 for vLLM CPU)")
     tiny_vocab: int = Field(2048, description="tiny model tokenizer vocabulary size")
+    tiny_tags_as_text: bool = Field(
+        False, description="tiny model tokenizer without ARPO tag tokens: tags are BPE text "
+        "that merges with its neighbours, as in Qwen's tokenizer"
+    )
 
 
 class ActorsConfig(_Section):

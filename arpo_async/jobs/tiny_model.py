@@ -13,12 +13,28 @@ Choices:
   such as ``408`` tokenises the same wherever it appears.
 - The ARPO tags (``<think>``, ``</python>``, ...) are single *added* tokens that are not
   special, so generation can stop on a token id and decoding keeps them.
+- ``--tags-as-text`` (``model.tiny_tags_as_text``) builds a tokenizer like a real one
+  instead: no tag is a token. The BPE merges are learned on the same corpus with its tags
+  left in, written with the separators rollouts produce (``)</python>\n``,
+  ``.</think>``, ``</python></think>``), so, as in Qwen's tokenizer, a tag is several
+  tokens and its ends merge with its neighbours: ``<python>print(`` is ``<python``
+  ``>print`` ``(``, and ``</python>\n`` ends in the token ``>\n``. Only
+  ``<|endoftext|>``, ``<|im_start|>`` and ``<|im_end|>`` stay single (special) tokens.
+  Generation then stops on stop *strings*; docs/design.md "Tags as text" gives the rules
+  for a stop string that ends inside a token, and for SFT masks.
+- Chat template: Qwen3's shape, simplified (``CHATML_TEMPLATE``): ChatML turns
+  ``<|im_start|>role\ncontent<|im_end|>\n`` for system, user and assistant; an assistant
+  message's ``reasoning_content`` is rendered as ``<think>\n...\n</think>\n\n`` before its
+  content; the generation prompt is ``<|im_start|>assistant\n``, followed by an empty
+  ``<think>\n\n</think>\n\n`` when ``enable_thinking=False`` is passed (Qwen3's switch).
+  Not rendered: Qwen3's tool schemas and tool turns, and its removal of the reasoning of
+  turns before the last user message.
 - ``tie_word_embeddings=False``: every tensor of the learner's ``state_dict`` then maps to
   exactly one vLLM parameter, so a weight broadcast needs no alias handling.
 - Deterministic: the same arguments give byte-identical tokenizer and weight files.
 
 CLI: ``python -m arpo_async.jobs.tiny_model OUT_DIR [--hidden 128 --layers 2 --heads 4
---kv-heads 2 --vocab 2048 --seed 0]``.
+--kv-heads 2 --vocab 2048 --seed 0 --tags-as-text]``.
 """
 
 from __future__ import annotations
@@ -34,6 +50,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from toolenv.tags import format_result
 from toolenv.tasks.suite import COMMON_WORDS
 
 logger = logging.getLogger(__name__)
@@ -45,11 +62,20 @@ ARPO_TAGS = [
     for name in ("think", "python", "search", "result", "answer")
     for slash in ("", "/")
 ]
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+CHATML_TEMPLATE = (  # Qwen3's template, simplified (see the module docstring)
+    "{%- for message in messages %}"
+    "{%- set content = message['content'] %}"
+    "{%- if message['role'] == 'assistant' and message['reasoning_content'] is defined"
+    " and message['reasoning_content'] %}"
+    "{%- set content = '<think>\\n' + message['reasoning_content'].strip('\\n')"
+    " + '\\n</think>\\n\\n' + content.lstrip('\\n') %}"
+    "{%- endif %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
 )
 # Qwen2/Qwen3's pre-tokenizer split: digits one by one, letters in runs, punctuation runs.
 QWEN_SPLIT_REGEX = (
@@ -79,11 +105,16 @@ _SYSTEM = (
 
 
 class _Corpus:
-    """Seeded text generator; one instance per corpus so the stream depends only on the seed."""
+    """Seeded text generator; one instance per corpus so the stream depends only on the seed.
 
-    def __init__(self, seed: int, num_names: int = 4000):
+    ``tags_as_text``: trajectories are written the way rollouts write them (results as
+    ``format_result`` inserts them) with varied separators around the tags, so the
+    tokenizer that keeps tags in its training text learns merges across tag edges."""
+
+    def __init__(self, seed: int, num_names: int = 4000, tags_as_text: bool = False):
         self.rng = random.Random(seed)
         self.names = _pseudo_words(self.rng, num_names)
+        self.tags_as_text = tags_as_text
 
     def expr(self, depth: int = 0) -> str:
         rng = self.rng
@@ -114,6 +145,8 @@ class _Corpus:
 
     def trajectory(self) -> str:
         """One ARPO-format assistant turn: think, tool calls with results, boxed answer."""
+        if self.tags_as_text:
+            return self._text_trajectory()
         rng = self.rng
         parts = [f"<think>{self.sentence(rng.randint(4, 14))}</think>"]
         for _ in range(rng.randint(0, 2)):
@@ -126,6 +159,39 @@ class _Corpus:
             parts.append(f"<think>{self.sentence(rng.randint(3, 10))}</think>")
         parts.append(f"<answer>The answer is \\boxed{{{rng.randint(0, 9999)}}}</answer>")
         return "\n".join(parts)
+
+    def _text_trajectory(self) -> str:
+        """A trajectory whose tags touch punctuation, newlines and each other: calls
+        inside or after the thought, results exactly as the actor inserts them."""
+        rng = self.rng
+
+        def sep() -> str:
+            return rng.choice(["\n", "\n", "\n", "", " ", "\n\n"])
+
+        def thought(lo: int, hi: int) -> str:
+            return self.sentence(rng.randint(lo, hi)) + rng.choice(["", ".", ".", ":", "?"])
+
+        out = f"<think>{thought(4, 14)}"
+        closed = False
+        for _ in range(rng.randint(0, 2)):
+            if not closed and rng.random() < 0.5:
+                out += f"</think>{sep()}"  # the call after the thought, else inside it
+                closed = True
+            else:
+                out += sep()
+            if rng.random() < 0.6:
+                code = f"print({self.expr()})" if rng.random() < 0.5 else self.python()
+                out += f"<python>{code}</python>"
+                out += format_result(str(rng.randint(-9999, 99999)))
+            else:
+                out += f"<search>{self.sentence(rng.randint(2, 6))}</search>"
+                out += format_result(self.sentence(rng.randint(6, 20)) + ".")
+            out += thought(3, 10)
+        if not closed:
+            out += "</think>"
+        boxed = f"\\boxed{{{rng.randint(0, 9999)}}}"
+        answer = rng.choice([f"The answer is {boxed}", boxed, f"{boxed}."])
+        return f"{out}{sep()}<answer>{answer}</answer>"
 
     def python(self) -> str:
         a, b = self.rng.randint(1, 99), self.rng.randint(1, 99)
@@ -152,19 +218,22 @@ class _Corpus:
         return [self.question, self.python, self.trajectory, self.chat][kind - 2]()
 
 
-def generate_corpus(seed: int = 0, lines: int = CORPUS_LINES) -> Iterator[str]:
+def generate_corpus(seed: int = 0, lines: int = CORPUS_LINES,
+                    tags_as_text: bool = False) -> Iterator[str]:
     """Seeded training text: arithmetic, English filler and names, questions, Python,
     and whole ChatML conversations in the ARPO tag format."""
-    gen = _Corpus(seed)
+    gen = _Corpus(seed, tags_as_text=tags_as_text)
     for _ in range(lines):
         yield gen.line()
 
 
-def build_tokenizer(vocab: int, seed: int = 0, corpus: Iterable[str] | None = None) -> Any:
+def build_tokenizer(vocab: int, seed: int = 0, corpus: Iterable[str] | None = None,
+                    tags_as_text: bool = False) -> Any:
     """Train a byte-level BPE tokenizer of ``vocab`` entries and wrap it with its special
     tokens, ARPO tags and chat template. The built-in corpus fills about 2.5k entries; a
     larger ``vocab`` needs more text in ``corpus``, else the tokenizer comes out smaller
-    (a warning says so) and the model's vocabulary follows the tokenizer."""
+    (a warning says so) and the model's vocabulary follows the tokenizer.
+    ``tags_as_text``: no tag tokens; the tags stay in the training text (module docstring)."""
     from tokenizers import (
         AddedToken,
         Regex,
@@ -176,7 +245,8 @@ def build_tokenizer(vocab: int, seed: int = 0, corpus: Iterable[str] | None = No
     )
     from transformers import PreTrainedTokenizerFast
 
-    n_fixed = len(SPECIAL_TOKENS) + len(ARPO_TAGS)
+    tags = [] if tags_as_text else ARPO_TAGS
+    n_fixed = len(SPECIAL_TOKENS) + len(tags)
     if vocab < 256 + n_fixed + 1:
         raise ValueError(f"vocab={vocab}: must exceed the 256 byte symbols + {n_fixed} fixed tokens")
     tok = Tokenizer(models.BPE())
@@ -186,18 +256,19 @@ def build_tokenizer(vocab: int, seed: int = 0, corpus: Iterable[str] | None = No
     ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab - len(ARPO_TAGS),
+        vocab_size=vocab - len(tags),
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         min_frequency=2,
         show_progress=False,
     )
-    texts = list(generate_corpus(seed)) + list(corpus or [])
-    # Tags and special tokens are removed from the training text: they are single tokens
-    # anyway, and merges spent on their pieces would be wasted.
-    strip = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS + ARPO_TAGS))
+    texts = list(generate_corpus(seed, tags_as_text=tags_as_text)) + list(corpus or [])
+    # Special tokens (and tags, when they are tokens) are removed from the training text:
+    # they are single tokens anyway, and merges spent on their pieces would be wasted.
+    strip = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS + tags))
     tok.train_from_iterator((strip.sub("\n", t) for t in texts), trainer=trainer)
-    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in ARPO_TAGS])
+    if tags:
+        tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in tags])
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, unk_token=None,
         bos_token=None, model_max_length=2048,
@@ -220,6 +291,7 @@ def build_tiny_model(
     max_positions: int = 2048,
     seed: int = 0,
     corpus: Iterable[str] | None = None,
+    tags_as_text: bool = False,
 ) -> Path:
     """Write tokenizer + random Qwen3 weights to ``out_dir`` (created atomically: a
     crash never leaves a half-written folder). kv_heads defaults to heads // 2 (grouped
@@ -236,7 +308,7 @@ def build_tiny_model(
     out = Path(out_dir)
     if out.exists():
         raise FileExistsError(f"{out} already exists: remove it or choose another folder")
-    tokenizer = build_tokenizer(vocab, seed, corpus)
+    tokenizer = build_tokenizer(vocab, seed, corpus, tags_as_text)
     config = Qwen3Config(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate or 3 * hidden,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
@@ -295,6 +367,7 @@ def ensure_model(path: str | Path, cfg_model: Any) -> Path:
             p, hidden=cfg_model.tiny_hidden, layers=cfg_model.tiny_layers,
             heads=cfg_model.tiny_heads, vocab=cfg_model.tiny_vocab,
             max_positions=max(2048, cfg_model.max_model_len),
+            tags_as_text=cfg_model.tiny_tags_as_text,
         )
     if _HUB_NAME.match(str(path)) and not Path(str(path).split("/")[0]).exists():
         return p
@@ -320,11 +393,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--max-positions", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tags-as-text", action="store_true",
+                    help="no ARPO tag tokens: tags are BPE text that merges with neighbours")
     args = ap.parse_args(argv)
     out = build_tiny_model(
         args.out_dir, hidden=args.hidden, layers=args.layers, heads=args.heads,
         kv_heads=args.kv_heads, intermediate=args.intermediate, vocab=args.vocab,
-        max_positions=args.max_positions, seed=args.seed,
+        max_positions=args.max_positions, seed=args.seed, tags_as_text=args.tags_as_text,
     )
     print(out)
 

@@ -35,9 +35,10 @@ def tok(built):
     return AutoTokenizer.from_pretrained(built)
 
 
-def test_same_seed_same_bytes_other_seed_other_weights(tmp_path):
-    a = build_tiny_model(tmp_path / "a", **SMALL, seed=3)
-    b = build_tiny_model(tmp_path / "b", **SMALL, seed=3)
+@pytest.mark.parametrize("tags_as_text", [False, True])
+def test_same_seed_same_bytes_other_seed_other_weights(tmp_path, tags_as_text):
+    a = build_tiny_model(tmp_path / "a", **SMALL, seed=3, tags_as_text=tags_as_text)
+    b = build_tiny_model(tmp_path / "b", **SMALL, seed=3, tags_as_text=tags_as_text)
     c = build_tiny_model(tmp_path / "c", **SMALL, seed=4)
     names = sorted(p.name for p in a.iterdir())
     assert "model.safetensors" in names and "tokenizer.json" in names
@@ -130,21 +131,26 @@ def test_ensure_model_rules(tmp_path, built, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert str(ensure_model("Qwen/Qwen3-0.6B", cfg)) == "Qwen/Qwen3-0.6B"  # hub name passes
     small = ModelConfig(build_if_missing=True, tiny_hidden=64, tiny_layers=1, tiny_heads=2,
-                        tiny_vocab=600)
+                        tiny_vocab=600, tiny_tags_as_text=True)
     out = ensure_model(tmp_path / "built", small)
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoTokenizer
 
     conf = AutoConfig.from_pretrained(out)
     assert (conf.hidden_size, conf.num_hidden_layers, conf.vocab_size) == (64, 1, 600)
+    # model.tiny_tags_as_text reaches the builder: the tags are text
+    assert len(AutoTokenizer.from_pretrained(out).encode("</python>")) > 1
 
 
 def test_cli_builds_a_loadable_folder(tmp_path):
     out = tmp_path / "cli"
     cmd = [sys.executable, "-m", "arpo_async.jobs.tiny_model", str(out), "--hidden", "64",
-           "--layers", "1", "--heads", "2", "--kv-heads", "1", "--vocab", "600", "--seed", "2"]
+           "--layers", "1", "--heads", "2", "--kv-heads", "1", "--vocab", "600", "--seed", "2",
+           "--tags-as-text"]
     proc = subprocess.run(cmd, check=False, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().endswith(str(out))
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoTokenizer
 
     assert AutoConfig.from_pretrained(out).num_key_value_heads == 1
+    tok = AutoTokenizer.from_pretrained(out)
+    assert all(len(tok.encode(t, add_special_tokens=False)) > 1 for t in ARPO_TAGS)
