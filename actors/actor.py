@@ -86,6 +86,18 @@ class Actor:
                 lp = await self.engine.sequence_logprobs(prompt, tokens)
                 append_jsonl(self._probe_path, {"version": got.version, "logprobs": lp})
 
+    async def _sync_or_wait(self) -> None:
+        """The weights a refusal asked for. A load that fails (the weight file cannot be
+        written: a full disk or /dev/shm) is retried after a pause, as the weights loop
+        does; it once ended the actor (issue 17). A learner gone for good still does."""
+        try:
+            await self.sync_weights()
+        except TransportTimeout:
+            raise
+        except Exception as exc:
+            log.warning("actor %d: weight sync failed: %s; retrying", self.actor_id, exc)
+            await asyncio.sleep(self.cfg.actors.refusal_retry_s)
+
     async def _request(self, msg):
         """``control.request`` retried with backoff while the learner is away (restart,
         network); gives up after ``transport.connect_timeout_s`` without an answer."""
@@ -152,7 +164,7 @@ class Actor:
                 if reason is P.GrantReason.HELLO_REQUIRED:
                     pass  # _request said hello; ask again
                 elif reason is not None and reason.needs_weights:
-                    await self.sync_weights()
+                    await self._sync_or_wait()
                 else:  # tickets free up as the learner trains
                     await asyncio.sleep(self.cfg.actors.capacity_retry_s
                                         if reason is not None and reason.busy

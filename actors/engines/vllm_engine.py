@@ -276,7 +276,11 @@ class VLLMEngine:
         # A bad name inside the worker would fail mid-load; refuse it here instead.
         check_weight_names({k: v.shape for k, v in state.items()}, self._expected)
         path = self._shm / f"v{version}.safetensors"
-        safetensors.torch.save_file(state, str(path))
+        try:
+            safetensors.torch.save_file(state, str(path))
+        except BaseException:  # a full /dev/shm: no partial file left behind (issue 17)
+            path.unlink(missing_ok=True)
+            raise
         t_file = time.perf_counter() - t0
         async with self._gate.exclusive() as drain_s:
             t1 = time.perf_counter()
