@@ -235,6 +235,15 @@ class Ledger:
                     "incarnations": len(a.sent_by_pid)}
                 for i, a in self.actors.items()}
 
+    def incarnations(self) -> dict:
+        """Per actor and incarnation (pid): [groups it said it sent, groups received
+        from it], and ``closed``: the pid whose Bye gave its final count ("" before; a
+        string, so that metrics plots skip it)."""
+        return {str(i): {"closed": str(a.pid) if a.bye else "",
+                         "by_pid": {str(p): [a.sent_by_pid.get(p, 0), a.received_by_pid.get(p, 0)]
+                                    for p in sorted(set(a.sent_by_pid) | set(a.received_by_pid))}}
+                for i, a in self.actors.items()}
+
     def metrics(self, now: float) -> tuple[dict, dict]:
         """(groups dropped by reason over all actors, per-actor ``actor<i>/<key>``
         values: the actor's last reported stats plus trained, received, incarnations

@@ -319,7 +319,7 @@ class LearnerService:
                     "control": {k: v for k, v in self.control.stats().items()
                                 if k in ("requests", "weights_requests", "dropped_replies")},
                     "admission": self.admission.counters(), "staleness": self.filter.stats(),
-                    **stats}
+                    "incarnations": self.ledger.incarnations(), **stats}
 
     def _byes_pending_from_live_actors(self) -> bool:
         with self.lock:

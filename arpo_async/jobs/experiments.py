@@ -13,6 +13,9 @@ start a batch only once the learner has published the weights of the previous st
 simulated engine (``actors.engine=simulated``; all actors of a run in one process unless
 ``sim.actors_per_process`` is given), so large actor counts fit on one machine.
 
+``python -m arpo_async.jobs.experiments chaos ...`` is the chaos soak (issue 17): a real
+run under seeded random faults, then a verdict (arpo_async/jobs/chaos.py).
+
 What the columns mean (``summarize_run``; the first learner step includes start-up, so
 rates use the steady window from the end of step 1 to the end of the last step):
 trajectories_per_s, groups_per_s, model_tokens_per_s: trained leaves, groups and model
@@ -330,7 +333,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="base YAML config (default: configs/spine.yaml, the RL stage alone)")
     s.add_argument("overrides", nargs="*", metavar="key=value",
                    help="config overrides for every run")
+    from arpo_async.jobs import chaos
+
+    chaos.add_arguments(sub.add_parser(
+        "chaos", help="a real run under seeded random faults, then a verdict (issue 17)",
+        description=chaos.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     args = p.parse_args(argv)
+    if args.cmd == "chaos":
+        return chaos.run(args)
     args.config = args.config or str(SPINE_CONFIG)
     args.actors = parse_ints(args.actors, "--actors")
     args.max_staleness = parse_ints(args.max_staleness, "--max-staleness")
