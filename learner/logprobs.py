@@ -74,14 +74,15 @@ def packed_forward(model, lm_head, batch, mask, temperature: float, chunk: int,
 
 
 def packed_loss_inputs(batch, logp: torch.Tensor, entropy: torch.Tensor | None,
-                       proximal: torch.Tensor | None) -> LossInputs:
+                       proximal: torch.Tensor | None, ref: torch.Tensor | None = None
+                       ) -> LossInputs:
     """Each target three times: weight mp and advantage P / mp, mn and N / mn, mz and 0."""
     def three(x):
         return None if x is None else torch.cat([x, x, x])
 
     return LossInputs(
         logprobs=three(logp), behaviour_logprobs=three(batch.behaviour),
-        proximal_logprobs=three(proximal),
+        proximal_logprobs=three(proximal), ref_logprobs=three(ref),
         advantages=torch.cat([batch.ap, batch.an, torch.zeros_like(batch.ap)]),
         loss_mask=torch.cat([batch.mp, batch.mn, batch.mz]), entropy=three(entropy))
 
@@ -100,13 +101,19 @@ def entropy_stats(batch, entropy: torch.Tensor) -> tuple[float, float]:
 
 
 def packed_step_loss(model, lm_head, batch, mask, settings, temperature: float, chunk: int,
-                     normaliser: float, proximal: torch.Tensor | None = None
+                     normaliser: float, proximal: torch.Tensor | None = None,
+                     ref: torch.Tensor | None = None,
+                     batch_entropy_stats: tuple[float, float] | None = None
                      ) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss (a share of the step's token mean) of one packed micro-batch, and its
-    metrics; what the trainer backpropagates."""
+    metrics; what the trainer backpropagates. ``ref``: the reference policy's target
+    log-probs (KL term); ``batch_entropy_stats``: the whole batch's entropy (mean, std) for
+    AEPO's entropy-aware advantage (None: this micro-batch's own)."""
     want = bool(settings.entropy_coef or settings.aepo_entropy_adv_gamma)
     logp, ent, anchor = packed_forward(model, lm_head, batch, mask, temperature, chunk, want)
-    stats = entropy_stats(batch, ent) if settings.aepo_entropy_adv_gamma else None
-    loss, metrics = policy_loss(packed_loss_inputs(batch, logp, ent, proximal), settings,
+    stats = batch_entropy_stats
+    if stats is None and settings.aepo_entropy_adv_gamma:
+        stats = entropy_stats(batch, ent)
+    loss, metrics = policy_loss(packed_loss_inputs(batch, logp, ent, proximal, ref), settings,
                                 normaliser=normaliser, entropy_stats=stats)
     return loss + anchor, metrics

@@ -1,8 +1,11 @@
 """The learner's loop, one rank of it, as named steps:
 
-    collect     rank 0 takes B admissible groups, attributes advantages and splits the
-                leaves over the ranks (balanced by tokens); every rank gets its part
-    train       one importance-corrected optimizer step (learner/trainer.py)
+    collect     rank 0 takes B admissible groups, attributes advantages, splits them
+                into ``learner.minibatches`` mini-batches of whole groups and each
+                mini-batch over the ranks (balanced by tokens); every rank gets its part
+    train       one update: minibatches x ppo_epochs importance-corrected optimizer
+                steps (learner/trainer.py); the step count (= policy version) moves on
+                by one per rollout batch, whatever the number of optimizer steps
     publish     every ``learner.sync_every`` steps, the new weights with their version
     checkpoint  every ``learner.checkpoint_every`` steps (and at the end), atomically
     record      ``RUN_DIR/state.json`` (the run state, atomically) and one metrics line
@@ -160,6 +163,7 @@ class LearnerLoop:
     def collect(self):
         """(this rank's part, the groups, their statistics), or None when the run is over."""
         from learner.batching import balanced_split, samples_from_groups
+        from learner.trainer import split_minibatches
 
         parts, stats, groups = None, {}, []
         if self.rank == 0:
@@ -168,13 +172,17 @@ class LearnerLoop:
                 lc.batch_groups, lc.wait_timeout_s, self.time_up)
             if groups:
                 samples, stats = samples_from_groups(groups, lc.loss.advantage)
-                parts = balanced_split(samples, self.world)
+                # mini-batches first, then ranks: every optimizer step trains on groups
+                minis = [balanced_split(m, self.world)
+                         for m in split_minibatches(samples, lc.minibatches)]
+                parts = [[m[r] for m in minis] for r in range(self.world)]
         if not broadcast(bool(groups), self.rank, self.world):
             return None
         return scatter(parts, self.rank, self.world), groups, stats
 
     def train(self, part, groups: list) -> dict:
-        """One optimizer step on this rank's part; the step count moves on."""
+        """One update on this rank's part (``learner.minibatches`` x ``ppo_epochs``
+        optimizer steps); the step count, and with it the policy version, moves on by one."""
         metrics = self.trainer.train_step(part)
         self.step += 1
         if self.service is not None:

@@ -17,15 +17,20 @@ Per model token t (docs/design.md, "The importance-corrected loss"):
     o_t = min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t)      (PPO, arXiv 1707.06347)
     o_t = max(o_t, c A_t) where A_t < 0, if dual_clip c > 1          (Dual-clip PPO, 1912.09729)
     L   = -sum_t m_t w_t o_t / Z + kl_coef sum_t m_t k3_t / Z - entropy_coef sum_t m_t H_t / Z
-    k3_t = exp(ref_t - logpi_t) - (ref_t - logpi_t) - 1   (Schulman's k3 KL estimator)
+    k3_t = exp(d_t) - d_t - 1, d_t = ref_t - logpi_t      (Schulman's k3 KL estimator)
 
 log r_t and prox_t - mu_t are clamped to [-20, 20] before exp, as verl does, so one
-wild token cannot overflow. Z is the ``normaliser``: by default this call's sum_t m_t (token mean); when
-the learner splits a batch into micro-batches it passes the whole batch's masked-token
-count, so the micro-batch losses add up to the batch's token-mean loss (and so do the
-gradients). Masked IS tokens (mask mode) keep their place in Z, as in the formula.
-With mu = prox (lockstep, or bypass mode) every w_t = 1 and L is exactly the PPO/GRPO
-clipped loss.
+wild token cannot overflow. k3 is computed as verl's ``kl_penalty(..., "low_var_kl")``
+(verl/trainer/ppo/core_algos.py): d_t clamped to [-20, 20] before exp, and k3_t clamped
+to [-10, 10] (no gradient from a token past either bound). ``ref_logprobs`` come from
+the frozen copy of the initial weights (learner/reference.py).
+
+Z is the ``normaliser``: by default this call's sum_t m_t (token mean); when the learner
+splits a mini-batch into micro-batches it passes the mini-batch's masked-token count over
+all ranks, so the micro-batch losses add up to its token-mean loss (and so do the
+gradients), one optimizer step per mini-batch as verl's ``token-mean``. Masked IS tokens
+(mask mode) keep their place in Z, as in the formula. With mu = prox (lockstep, or
+bypass mode) every w_t = 1 and L is exactly the PPO/GRPO clipped loss.
 
 AEPO switches (arXiv 2510.14545, Sec. 3 "entropy-balanced policy optimization"):
 
@@ -37,7 +42,9 @@ AEPO switches (arXiv 2510.14545, Sec. 3 "entropy-balanced policy optimization"):
 * entropy-aware advantage (``aepo_entropy_adv_gamma`` = gamma): A_t <- A_t (1 + gamma z_t),
   z_t = (H_t - mean H) / std H over the batch's model tokens (sample std; std 0 counts as
   1), H_t the current policy's token entropy, detached. Pass ``entropy_stats=(mean, std)``
-  of the whole batch when micro-batching, else this call's tokens are used.
+  of the whole batch when micro-batching, else this call's tokens are used: the trainer
+  sums ``entropy_moments`` over every micro-batch and rank before the loss and passes
+  ``stats_from_moments`` of the total (learner/trainer.py).
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ import torch
 from arpo_async.core.loss_settings import LossSettings
 
 LOG_RATIO_LIMIT = 20.0  # |logpi - prox| beyond this is clamped (no gradient past it)
+KL_LIMIT = 10.0  # k3 per token is clamped to [-KL_LIMIT, KL_LIMIT], as verl's low_var_kl
 
 
 @dataclass
@@ -95,6 +103,14 @@ def _check(inp: LossInputs, settings: LossSettings) -> None:
         raise ValueError("entropy_coef != 0 but LossInputs.entropy carries no gradient")
 
 
+def kl_k3(ref: torch.Tensor, logpi: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi_theta || pi_ref) on tokens sampled from pi_theta,
+    clamped as verl's ``low_var_kl``: d = clamp(ref - logpi, +-20), k3 = clamp(exp(d) - d
+    - 1, +-10). Differentiable in ``logpi``; >= 0, and 0 exactly where ref == logpi."""
+    d = (ref - logpi).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    return (torch.exp(d) - d - 1.0).clamp(-KL_LIMIT, KL_LIMIT)
+
+
 def _importance_weight(prox: torch.Tensor, mu: torch.Tensor, s: LossSettings
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """(w_t, raw exp(prox - mu)); both without gradient."""
@@ -104,6 +120,25 @@ def _importance_weight(prox: torch.Tensor, mu: torch.Tensor, s: LossSettings
     if s.is_mode == "mask":
         return ((raw >= s.is_mask_low) & (raw <= s.is_mask_high)).to(raw.dtype), raw
     return torch.ones_like(raw), raw
+
+
+def entropy_moments(entropy: torch.Tensor, copies: torch.Tensor) -> torch.Tensor:
+    """float64 [sum c H, sum c H^2, sum c] over tokens with ``copies`` c (the number of
+    loss-weighted copies a position stands for: 1/0 on padded rows, the packed count);
+    moments of several micro-batches and ranks add up to those of the whole batch."""
+    h, c = entropy.detach().double().reshape(-1), copies.detach().double().reshape(-1)
+    return torch.stack([(c * h).sum(), (c * h * h).sum(), c.sum()])
+
+
+def stats_from_moments(mom: torch.Tensor) -> tuple[float, float]:
+    """(mean, sample std) from summed ``entropy_moments``, as ``_entropy_aware`` computes
+    them over one call's tokens."""
+    s1, s2, n = (float(x) for x in mom)
+    if n <= 0:
+        return 0.0, 0.0
+    mean = s1 / n
+    var = max(s2 - n * mean * mean, 0.0) / (n - 1) if n > 1 else 0.0
+    return mean, var ** 0.5
 
 
 def _entropy_aware(adv: torch.Tensor, ent: torch.Tensor, m: torch.Tensor, gamma: float,
@@ -160,10 +195,10 @@ def policy_loss(inp: LossInputs, settings: LossSettings, normaliser: float | Non
     loss = pg_loss
     metrics: dict[str, float] = {"kl": 0.0}
     if inp.ref_logprobs is not None:
-        # Padding/tool positions may hold anything; keep exp() there finite so that
-        # 0 * inf never turns the sum (or its gradient) into nan.
-        d = torch.where(m > 0, _f(inp.ref_logprobs.detach()) - logpi, 0.0)
-        kl = (m * (torch.exp(d) - d - 1.0)).sum() / norm
+        # Padding/tool positions may hold anything: a finite stand-in there, and the
+        # clamps keep exp() finite, so 0 * inf never turns the sum (or its gradient) nan.
+        ref = torch.where(m > 0, _f(inp.ref_logprobs.detach()), 0.0)
+        kl = (m * kl_k3(ref, logpi)).sum() / norm
         loss = loss + s.kl_coef * kl
         metrics["kl"] = float(kl.detach()) * norm / count if count else 0.0
     if inp.entropy is not None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +34,7 @@ from learner import tree_attention as TA
 from learner.batching import Batch, LeafSample, balanced_split, collate, token_logprobs
 from learner.device import model_load_kwargs, prepare_model, setup_device, to_device
 from learner.logprobs import packed_forward, packed_step_loss
-from learner.losses import LossInputs, policy_loss
+from learner.losses import LossInputs, entropy_moments, policy_loss, stats_from_moments
 from learner.packing import (PackedBatch, bins_needed, build_units, collate_packed,
                              pad_targets, split_bins)
 
@@ -79,15 +80,60 @@ def padded_forward(model, batch: Batch, temperature: float, entropy: bool
 
 
 def padded_step_loss(model, batch: Batch, settings, temperature: float, normaliser: float,
-                     proximal: torch.Tensor | None = None
+                     proximal: torch.Tensor | None = None, ref: torch.Tensor | None = None,
+                     batch_entropy_stats: tuple[float, float] | None = None
                      ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The loss of one padded micro-batch (the reference the packed paths must equal)."""
+    """The loss of one padded micro-batch (the reference the packed paths must equal);
+    ``ref``: reference log-probs (KL), ``batch_entropy_stats``: the whole batch's entropy
+    (mean, std) for AEPO's entropy-aware advantage (None: this micro-batch's own)."""
     logp, entropy = padded_forward(model, batch, temperature,
                                    bool(settings.entropy_coef or settings.aepo_entropy_adv_gamma))
     inputs = LossInputs(
         logprobs=logp, behaviour_logprobs=batch.behaviour, proximal_logprobs=proximal,
-        advantages=batch.advantages, loss_mask=batch.weight, entropy=entropy)
-    return policy_loss(inputs, settings, normaliser=normaliser)
+        advantages=batch.advantages, loss_mask=batch.weight, ref_logprobs=ref, entropy=entropy)
+    return policy_loss(inputs, settings, normaliser=normaliser,
+                       entropy_stats=batch_entropy_stats)
+
+
+def split_minibatches(samples: list[LeafSample], n: int) -> list[list[LeafSample]]:
+    """``n`` mini-batches of whole groups (a leaf without a group is its own unit),
+    balanced by tokens, longest first; deterministic (the same samples in the same order
+    give the same split). The loop applies it to the whole batch, before the ranks."""
+    return balanced_split(samples, n, keep_groups=True) if n > 1 else [list(samples)]
+
+
+def summarise_steps(steps: list[tuple[dict[str, float], float]]) -> dict[str, float]:
+    """One metrics dict for a batch's optimizer steps: ``loss/*`` averaged over all steps
+    by this rank's tokens, ``grad_norm`` the steps' mean; ``opt/*`` the step count and the
+    clip fractions (high + low) of the first step and of the later ones: with one step
+    and recompute mode the clip cannot act, from the second step on it can."""
+    out: dict[str, float] = {"opt/steps": float(len(steps))}
+    if not steps:
+        return out | {"grad_norm": 0.0}
+    total = sum(w for _, w in steps)
+    keys = [k for k in steps[0][0] if k.startswith("loss/")]
+    for k in keys:
+        out[k] = (sum(m[k] * w for m, w in steps) / total if total > 0
+                  else sum(m[k] for m, _ in steps) / len(steps))
+    out["grad_norm"] = sum(m["grad_norm"] for m, _ in steps) / len(steps)
+
+    def clip(m: dict[str, float]) -> float:
+        return m.get("loss/clip_frac_high", 0.0) + m.get("loss/clip_frac_low", 0.0)
+
+    out["opt/clip_frac_first"] = clip(steps[0][0])
+    later = steps[1:]
+    later_w = sum(w for _, w in later)
+    out["opt/clip_frac_later"] = (sum(clip(m) * w for m, w in later) / later_w
+                                  if later_w > 0 else 0.0)
+    return out
+
+
+@dataclass
+class _BeforeUpdate:
+    totals: list[float]  # trained tokens of each mini-batch, all ranks
+    proximal: list[list[torch.Tensor]] | None  # [mini-batch][micro-batch], recompute mode
+    ref: list[list[torch.Tensor]] | None  # reference log-probs, kl_coef > 0
+    entropy_stats: tuple[float, float] | None  # whole batch, aepo_entropy_adv_gamma != 0
 
 
 class PolicyTrainer:
@@ -120,58 +166,162 @@ class PolicyTrainer:
         self.loss_settings = cfg.learner.loss.settings()
         self.temperature = cfg.sampling.temperature
         self.zero3 = cfg.learner.zero_stage == 3
+        self.minibatches, self.ppo_epochs = cfg.learner.minibatches, cfg.learner.ppo_epochs
+        self.last_steps: list[dict[str, float]] = []  # the last batch's per-step metrics
+        self.reference = None
+        if self.loss_settings.kl_coef != 0.0:  # a frozen copy of the initial weights
+            from learner.reference import ReferencePolicy
+
+            self.reference = ReferencePolicy(cfg, model_path, self.packing != "padded")
 
     # ------------------------------------------------------------------ training
-    def _forward_logprobs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        s = self.loss_settings
-        return padded_forward(self.engine, batch, self.temperature,
-                              bool(s.entropy_coef or s.aepo_entropy_adv_gamma))
-
-    def train_step(self, samples: list[LeafSample]) -> dict[str, float]:
-        """One optimizer step on this rank's samples; collective over all ranks."""
-        if self.packing != "padded":
-            return self._train_packed(samples)
+    def train_step(self, samples: list[LeafSample] | list[list[LeafSample]]
+                   ) -> dict[str, float]:
+        """One update on a rollout batch: ``minibatches * ppo_epochs`` optimizer steps on
+        this rank's part; collective over all ranks. ``samples`` is this rank's part of
+        each mini-batch (the loop splits the batch into mini-batches before the ranks, so
+        that every mini-batch has groups), or a flat list that is split here."""
         t0 = time.perf_counter()
-        chunks = balanced_split(samples, self.micro_batches, keep_groups=False)
-        batches = [to_device(collate(c, self.pad_id), self.device) for c in chunks]
-        proximal = None
-        if self.cfg.learner.loss.proximal == "recompute":
-            with torch.no_grad():
-                proximal = [self._forward_logprobs(b)[0].detach() for b in batches]
-
-        def loss_of(i: int, batch: Batch, total: float):
-            return padded_step_loss(self.engine, batch, self.loss_settings, self.temperature,
-                                    total, proximal[i] if proximal is not None else None)
-
-        out = self._accumulate(batches, loss_of, set_boundary=False)
+        parts = (samples if samples and isinstance(samples[0], list)
+                 else split_minibatches(samples, self.minibatches))
+        batches = [self._micro_batches(p) for p in parts]
+        pre = self._before_update(batches)
+        steps: list[tuple[dict[str, float], float]] = []
+        for _ in range(self.ppo_epochs):
+            for j, mbs in enumerate(batches):
+                if pre.totals[j] <= 0:  # no trained token on any rank: no step
+                    continue
+                steps.append(self._accumulate(
+                    mbs, lambda i, b, total, j=j: self._loss(b, total, pre, j, i),
+                    set_boundary=self.packing != "padded", total=pre.totals[j]))
+        out = summarise_steps(steps)
         out["train_time_s"] = time.perf_counter() - t0
+        if self.packing != "padded":
+            flat = [b for mbs in batches for b in mbs]
+            out |= {"packing/microbatches": float(len(flat)),
+                    "packing/tokens": float(sum(b.tokens for b in flat)),
+                    "packing/leaf_tokens": float(sum(b.leaf_tokens for b in flat)),
+                    "packing/kept_apart": float(sum(b.kept_apart for b in flat))}
+        self.last_steps = [m for m, _ in steps]
         return out
 
-    def _accumulate(self, batches: list, loss_of, set_boundary: bool) -> dict[str, float]:
-        """Backward each micro-batch's share of the step's token-mean loss (``loss_of(i,
-        batch, total)``, ``total`` the loss-weighted tokens over all ranks), then the
-        optimizer step; the loss metrics averaged over this rank's weighted tokens."""
-        # on the device: NCCL reduces only GPU tensors
-        local = torch.tensor([sum(b.num_weighted for b in batches)], dtype=torch.float64,
-                             device=self.device)
+    def _micro_batches(self, part: list[LeafSample]) -> list:
+        if self.packing != "padded":
+            return self._packed_batches(part)
+        chunks = balanced_split(part, self.micro_batches, keep_groups=False)
+        return [to_device(collate(c, self.pad_id), self.device) for c in chunks]
+
+    def _forward(self, batch, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The policy's log-probs (and entropies) of one micro-batch, without gradient."""
+        with torch.no_grad():
+            if self.packing == "padded":
+                return padded_forward(self.engine, batch, self.temperature, entropy)
+            logp, ent, _ = packed_forward(
+                self.engine, self.engine.module.get_output_embeddings(), batch,
+                self._mask(batch), self.temperature, self.cfg.learner.logprob_chunk_tokens,
+                entropy)
+            return logp, ent
+
+    def _before_update(self, batches: list[list]) -> "_BeforeUpdate":
+        """What every optimizer step of this batch needs from before the first one (one
+        pass over every micro-batch, no gradient): the proximal log-probs (recompute
+        mode: kept for all mini-batch steps, so the clips act from the second on), the
+        reference log-probs (KL), the trained-token count of each mini-batch over all
+        ranks, and the entropy mean and std over the whole batch, every micro-batch and
+        rank (AEPO's entropy-aware advantage)."""
+        s = self.loss_settings
+        recompute = self.cfg.learner.loss.proximal == "recompute"
+        want_ent = s.aepo_entropy_adv_gamma != 0.0
+        proximal: list[list] | None = [] if recompute else None
+        ref: list[list] | None = [] if self.reference is not None else None
+        moments = torch.zeros(3, dtype=torch.float64)
+        for mbs in batches:
+            if recompute or want_ent:
+                out = [self._forward(b, want_ent) for b in mbs]
+                if recompute:
+                    proximal.append([lp.detach() for lp, _ in out])
+                if want_ent:
+                    for b, (_, ent) in zip(mbs, out):
+                        moments += entropy_moments(ent, self._copies(b)).cpu()
+            if ref is not None:
+                ref.append([self._reference_logprobs(b) for b in mbs])
+        # one all-reduce: per mini-batch trained tokens, then the entropy moments
+        # (on the device: NCCL reduces only GPU tensors)
+        vec = torch.tensor([sum(b.num_weighted for b in mbs) for mbs in batches]
+                           + moments.tolist(), dtype=torch.float64, device=self.device)
         if dist.is_initialized():
-            dist.all_reduce(local)
-        total = max(float(local.item()), 1.0)
+            dist.all_reduce(vec)
+        vec = vec.cpu()
+        n = len(batches)
+        return _BeforeUpdate(
+            totals=vec[:n].tolist(), proximal=proximal, ref=ref,
+            entropy_stats=stats_from_moments(vec[n:]) if want_ent else None)
+
+    def _copies(self, batch) -> torch.Tensor:
+        """Loss-weighted copies each log-prob position stands for (entropy statistics)."""
+        if self.packing == "padded":
+            return (batch.weight > 0).to(torch.float64)
+        return batch.count
+
+    def _reference_logprobs(self, batch) -> torch.Tensor:
+        if self.packing == "padded":
+            return self.reference.padded_logprobs(batch, self.temperature)
+        return self.reference.packed_logprobs(batch, self._mask(batch), self.temperature,
+                                              self.cfg.learner.logprob_chunk_tokens)
+
+    def _loss(self, batch, total: float, pre: "_BeforeUpdate", j: int, i: int):
+        """Loss and metrics of micro-batch ``i`` of mini-batch ``j``."""
+        prox = pre.proximal[j][i] if pre.proximal is not None else None
+        ref = pre.ref[j][i] if pre.ref is not None else None
+        if self.packing == "padded":
+            return padded_step_loss(self.engine, batch, self.loss_settings, self.temperature,
+                                    total, prox, ref, pre.entropy_stats)
+        return packed_step_loss(
+            self.engine, self.engine.module.get_output_embeddings(), batch, self._mask(batch),
+            self.loss_settings, self.temperature, self.cfg.learner.logprob_chunk_tokens, total,
+            prox, ref, pre.entropy_stats)
+
+    def _accumulate(self, batches: list, loss_of, set_boundary: bool, total: float
+                    ) -> tuple[dict[str, float], float]:
+        """Backward each micro-batch's share of the mini-batch's token-mean loss
+        (``loss_of(i, batch, total)``, ``total`` the loss-weighted tokens over all ranks),
+        then one optimizer step; (the loss metrics averaged over this rank's weighted
+        tokens, those tokens). ``loss`` and ``pg_loss`` are summed instead: this rank's
+        share of the mini-batch's token-mean loss (with one rank, that loss)."""
+        shares = {"loss": 0.0, "pg_loss": 0.0}
+        own_norm = None
         sums: dict[str, float] = {}
         for i, batch in enumerate(batches):
             if set_boundary:
                 self.engine.set_gradient_accumulation_boundary(i == len(batches) - 1)
-            loss, metrics = loss_of(i, batch, total)
+            loss, metrics = loss_of(i, batch, max(total, 1.0))
             # DeepSpeed averages gradients over ranks; the loss is already a share of
             # the global token mean, so undo that average.
             self.engine.backward(loss * self.world, scale_wrt_gas=False)
+            if i == len(batches) - 1 and not self.engine.zero_optimization():
+                own_norm = self._grad_norm()  # DeepSpeed reports none at ZeRO-0 in fp32
             self.engine.step()
             for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * batch.num_weighted
-        local_w = max(sum(b.num_weighted for b in batches), 1e-9)
-        out = {f"loss/{k}": v / local_w for k, v in sums.items()}
-        out["grad_norm"] = float(self.engine.get_global_grad_norm() or 0.0)
-        return out
+                if k in shares:
+                    shares[k] += float(v)
+                else:
+                    sums[k] = sums.get(k, 0.0) + float(v) * batch.num_weighted
+        local_w = sum(b.num_weighted for b in batches)
+        out = {f"loss/{k}": v / max(local_w, 1e-9) for k, v in sums.items()}
+        out |= {f"loss/{k}": v for k, v in shares.items()}
+        norm = self.engine.get_global_grad_norm()
+        out["grad_norm"] = float(norm if norm is not None and (norm or own_norm is None)
+                                 else own_norm)
+        return out, local_w
+
+    def _grad_norm(self) -> float:
+        """L2 norm of the accumulated gradients before clipping (ZeRO-0: full on each
+        rank, already averaged over ranks by DeepSpeed's all-reduce at the boundary)."""
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        if not grads:
+            return 0.0
+        return float(torch.linalg.vector_norm(torch.stack(
+            [torch.linalg.vector_norm(g.float()) for g in grads])))
 
     # ------------------------------------------------------------------ packed batches
     def _packed_batches(self, samples: list[LeafSample]) -> list[PackedBatch]:
@@ -194,34 +344,6 @@ class PolicyTrainer:
         return TA.attention_mask(batch, self.attention, self.device,
                                  next(self.engine.module.parameters()).dtype,
                                  self.base_attention)
-
-    def _proximal(self, batch: PackedBatch) -> torch.Tensor:
-        with torch.no_grad():
-            return packed_forward(self.engine, self.engine.module.get_output_embeddings(),
-                                  batch, self._mask(batch), self.temperature,
-                                  self.cfg.learner.logprob_chunk_tokens, False)[0].detach()
-
-    def _train_packed(self, samples: list[LeafSample]) -> dict[str, float]:
-        t0 = time.perf_counter()
-        batches = self._packed_batches(samples)
-        proximal = None
-        if self.cfg.learner.loss.proximal == "recompute":
-            proximal = [self._proximal(b) for b in batches]
-
-        def loss_of(i: int, batch: PackedBatch, total: float):
-            return packed_step_loss(
-                self.engine, self.engine.module.get_output_embeddings(), batch,
-                self._mask(batch), self.loss_settings, self.temperature,
-                self.cfg.learner.logprob_chunk_tokens, total,
-                proximal[i] if proximal is not None else None)
-
-        out = self._accumulate(batches, loss_of, set_boundary=True)
-        out |= {"train_time_s": time.perf_counter() - t0,
-                "packing/microbatches": float(len(batches)),
-                "packing/tokens": float(sum(b.tokens for b in batches)),
-                "packing/leaf_tokens": float(sum(b.leaf_tokens for b in batches)),
-                "packing/kept_apart": float(sum(b.kept_apart for b in batches))}
-        return out
 
     # ------------------------------------------------------------------ weights
     def full_state(self) -> dict[str, np.ndarray]:

@@ -183,7 +183,16 @@ class LearnerConfig(_Section):
     lr: float = Field(1e-4, description="AdamW learning rate")
     weight_decay: float = Field(0.0, description="AdamW weight decay")
     grad_clip: float = Field(1.0, description="gradient norm clip")
-    micro_batches: int = Field(1, ge=1, description="forward/backward micro-batches per step per rank")
+    micro_batches: int = Field(
+        1, ge=1, description="forward/backward micro-batches per optimizer step per rank "
+        "(gradient accumulation within one mini-batch)")
+    minibatches: int = Field(
+        1, ge=1, description="optimizer steps per rollout batch: each rank's part is split "
+        "by groups into this many mini-batches, one step each, as verl's ppo_mini_batch_size "
+        "(ARPO: 128 prompts / 16 = 8); the policy version still advances once per batch")
+    ppo_epochs: int = Field(
+        1, ge=1, description="passes over the rollout batch's mini-batches (verl ppo_epochs); "
+        "optimizer steps per batch = minibatches * ppo_epochs")
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage")
     deepspeed_config: str = Field(
         "", description="DeepSpeed JSON merged into the generated config (ZeRO tuning, offload)"
@@ -233,6 +242,14 @@ class LearnerConfig(_Section):
         "with flash-attention 2); auto: tiles on CPU, flex or varlen on GPU")
     loss: LossConfig = Field(default_factory=LossConfig)
 
+    @model_validator(mode="after")
+    def _minibatches_fit(self):
+        if self.minibatches > self.batch_groups:
+            raise ValueError(f"learner.minibatches={self.minibatches} > learner.batch_groups="
+                             f"{self.batch_groups}: mini-batches are made of whole groups, so "
+                             "some optimizer steps would have nothing to train on")
+        return self
+
 
 class TransportConfig(_Section):
     host: str = Field("127.0.0.1", description="address the learner binds")
@@ -262,6 +279,13 @@ class TaskConfig(_Section):
 
 class ToolsConfig(_Section):
     enabled: list[str] = Field(default_factory=list, description="tools offered: python, search")
+    custom: list[str] = Field(
+        default_factory=list, description="your own tools, offered too: module:Class import "
+        "paths of classes following the tool protocol (toolenv/base.py, docs/tools.md)")
+    syntax: Literal["arpo", "hermes"] = Field(
+        "arpo", description="tool-call format: arpo tags (<python>code</python>, results in "
+        "<result>), or hermes (<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>, "
+        "results as the chat template's tool message, schemas via its tools= argument)")
     cache_dir: str = Field("", description="shared tool-result cache folder ('' = run_dir/tool_cache)")
     cache_ttl_s: float = Field(0.0, description="tool cache entry lifetime (0: forever)")
     rate_per_s: float = Field(100.0, description="tool calls per second per actor")
@@ -282,6 +306,18 @@ class ToolsConfig(_Section):
     retriever_url: str = Field("", description="retriever endpoint (POST /retrieve)")
     search_topk: int = Field(3, description="snippets per search")
     search_snippet_chars: int = Field(200, description="characters kept per snippet")
+
+    @model_validator(mode="after")
+    def _custom_tools(self) -> "ToolsConfig":
+        from arpo_async.core.tool_classes import custom_tool_names
+
+        custom_tool_names(self.custom, self.enabled)  # imports each class and checks it
+        return self
+
+    @property
+    def offered(self) -> bool:
+        """Any tool offered (built-in or custom)?"""
+        return bool(self.enabled or self.custom)
 
 
 class SimConfig(_Section):
