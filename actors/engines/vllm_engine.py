@@ -15,6 +15,14 @@ greedy request (temperature 0) reports the temperature-1 distribution, as vLLM d
 Prompt log-probs (``sequence_logprobs``) skip the sampler and are always temperature-1
 log_softmax, the quantity the learner computes.
 
+Stop strings (tags that are several tokens): vLLM 0.32's detokenizer, with
+``include_stop_str_in_output=True``, cuts the output *text* at the end of the first stop
+string but keeps the token that completed it (only tokens after that one, when a step
+adds several, are dropped). So the ids can run past the stop string (``</python>``
+completing inside the token ``>\n``); they are returned as sampled, each with its
+log-prob, and the text is not used. ``AgentRollout`` handles the overhang
+(docs/design.md "Tags as text").
+
 Weights are replaced in place: the tensors go to a safetensors file in /dev/shm and a
 function sent by ``collective_rpc`` makes each worker call ``reload_weights`` on it
 (the model's own ``load_weights`` fails on CPU, whose linear layers are repacked).

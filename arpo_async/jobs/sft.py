@@ -8,6 +8,13 @@ model segment is what the model samples in its rounds; a tool segment is
 token after ``</answer>``. The loss covers model tokens and that EOS only: prompt and
 tool-result tokens are inputs, never targets.
 
+The mask boundary is exact with any tokenizer: because each segment is encoded alone, no
+token crosses a segment boundary, so the mask changes exactly where the segments do. With
+a tokenizer whose tags are several tokens (``tiny_model --tags-as-text``, Qwen's), a tag
+that merges with its neighbours (``)</``, ``>print``) does so inside its own segment and
+takes that segment's mask; ``</python>`` + ``\n<result>`` never becomes one ``>\n``
+token spanning the call and the result (docs/design.md "Tags as text").
+
 Plain torch AdamW on CPU with linear warm-up then cosine decay to 10 % of the peak rate,
 over the step budget (or over the time budget when only that is given). The checkpoint
 (model + tokenizer) is written to ``OUT.tmp``, fsynced and renamed into place, so ``OUT``
