@@ -15,7 +15,14 @@ of the arguments (``canonical_args``) is:
 - any other tool: the arguments unchanged.
 
 Only successful results are stored: the runner never offers errors or timeouts, and
-``set(..., ok=False)`` raises. Hit/miss/set counters are kept twice: in this process
+``set(..., ok=False)`` raises.
+
+Locks. The calls are synchronous and the runner makes them on the actor's event loop,
+so no operation waits more than ``LOCK_WAIT_S`` for another process's write lock: it
+raises ``diskcache.Timeout`` (the runner counts a lookup or store error and the call goes
+on) and a counter update is skipped (``counter_skips``). diskcache's default (60 s busy
+timeout, retried for ever with ``retry=True``) froze every other actor's loop while one
+actor holding the lock was stopped (issue 17). Hit/miss/set counters are kept twice: in this process
 (with get/set latency) and persistently, across processes, in a small counter cache next
 to the entries, updated with diskcache's atomic ``incr``.
 """
@@ -33,6 +40,7 @@ import diskcache
 _WS_RE = re.compile(r"\s+")
 _COUNTERS_SUBDIR = "counters"
 _COUNTER_NAMES = ("hits", "misses", "sets")
+LOCK_WAIT_S = 2.0  # the longest one cache operation waits for another process's lock
 
 
 def canonical_args(tool: str, args: str) -> str:
@@ -52,14 +60,15 @@ class ToolCache:
             raise ValueError(f"tool cache ttl_s must be >= 0, got {ttl_s}")
         self.directory = Path(directory)
         self.ttl_s = float(ttl_s)
-        self._cache = diskcache.Cache(str(self.directory))
+        self._cache = diskcache.Cache(str(self.directory), timeout=LOCK_WAIT_S)
         # Counters never get evicted: the entry cache may cull under its size limit.
         self._counters = diskcache.Cache(
-            str(self.directory / _COUNTERS_SUBDIR), eviction_policy="none"
+            str(self.directory / _COUNTERS_SUBDIR), eviction_policy="none", timeout=LOCK_WAIT_S
         )
         self.hits = 0
         self.misses = 0
         self.sets = 0
+        self.counter_skips = 0  # persistent counter updates skipped (lock held too long)
         self._get_s = 0.0
         self._set_s = 0.0
 
@@ -71,9 +80,9 @@ class ToolCache:
     def get(self, tool: str, version: str, args: str) -> str | None:
         """The cached text, or None on a miss (or an expired entry)."""
         start = time.perf_counter()
-        value = self._cache.get(self.key(tool, version, args), default=None, retry=True)
+        value = self._cache.get(self.key(tool, version, args), default=None, retry=False)
         hit = value is not None
-        self._counters.incr("hits" if hit else "misses", 1, default=0, retry=True)
+        self._incr("hits" if hit else "misses")
         self._get_s += time.perf_counter() - start
         if hit:
             self.hits += 1
@@ -89,10 +98,16 @@ class ToolCache:
             raise TypeError(f"tool cache values are str, got {type(text).__name__}")
         start = time.perf_counter()
         expire = self.ttl_s if self.ttl_s > 0 else None
-        self._cache.set(self.key(tool, version, args), text, expire=expire, retry=True)
-        self._counters.incr("sets", 1, default=0, retry=True)
+        self._cache.set(self.key(tool, version, args), text, expire=expire, retry=False)
+        self._incr("sets")
         self._set_s += time.perf_counter() - start
         self.sets += 1
+
+    def _incr(self, name: str) -> None:
+        try:
+            self._counters.incr(name, 1, default=0, retry=False)
+        except diskcache.Timeout:
+            self.counter_skips += 1
 
     def stats(self) -> dict[str, float]:
         """This process's counters and mean get/set latency."""
@@ -101,6 +116,7 @@ class ToolCache:
             "hits": self.hits,
             "misses": self.misses,
             "sets": self.sets,
+            "counter_skips": self.counter_skips,
             "hit_rate": self.hits / lookups if lookups else 0.0,
             "get_latency_mean_s": self._get_s / lookups if lookups else 0.0,
             "set_latency_mean_s": self._set_s / self.sets if self.sets else 0.0,

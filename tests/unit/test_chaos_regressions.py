@@ -83,3 +83,50 @@ async def test_a_weight_file_that_fails_to_write_leaves_nothing_in_shm(tmp_path,
     with pytest.raises(OSError):
         await engine.update_weights({"w": np.ones(2, np.float32)}, 4)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_tool_cache_locked_by_a_stopped_process_does_not_freeze_the_caller(tmp_path):
+    """Soak finding (the stalled-actor fault): an actor stopped while it held the shared
+    cache's write lock froze every other actor's event loop, whose cache store waited
+    for ever (diskcache's 60 s busy timeout, retried). The lock is held here by another
+    connection; the store now gives up within LOCK_WAIT_S and the runner goes on."""
+    import asyncio
+    import sqlite3
+    import time
+
+    from toolenv import cache as C
+    from toolenv.base import ToolResult
+    from toolenv.runner import ToolRunner
+
+    class Echo:
+        name, version = "python", "1"
+
+        async def call(self, args):
+            return ToolResult(args, True)
+
+    cache = C.ToolCache(tmp_path / "cache")
+    runner = ToolRunner({"python": Echo()}, cache, rate_per_s=0, concurrency=4, timeout_s=30,
+                        retries=0)
+    holders = []
+    for db in (tmp_path / "cache" / "cache.db", tmp_path / "cache" / "counters" / "cache.db"):
+        con = sqlite3.connect(db, isolation_level=None)
+        con.execute("BEGIN IMMEDIATE")  # the write lock, as a stopped writer holds it
+        holders.append(con)
+    import threading
+
+    out = {}
+    # in a thread: the blocked store is synchronous, no event-loop timeout can end it
+    worker = threading.Thread(target=lambda: out.setdefault(
+        "result", asyncio.run(runner.call("python", "x = 1"))), daemon=True)
+    t0 = time.monotonic()
+    worker.start()
+    worker.join(12)
+    took = time.monotonic() - t0
+    for con in holders:
+        con.rollback()
+    worker.join(10)
+    assert took < 10, f"the call waited {took:.1f} s on the lock (LOCK_WAIT_S per operation)"
+    result, stats = out["result"], runner.stats()
+    assert result.ok and result.text == "x = 1"
+    assert stats["cache_store_errors"] == 1 and cache.counter_skips >= 1
+    cache.close()
