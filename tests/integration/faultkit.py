@@ -1,6 +1,7 @@
 """Helpers shared by the fault tests (tests/integration/test_faults_*.py): a launcher run
 in the background and what it writes in its run folder, the ledger invariant, and
-signals to a role's whole process group.
+signals to a role's whole process group (arpo_async/jobs/chaos_faults.py, which the
+chaos soak uses too).
 
 A plain module, not a test file: import it as ``from tests.integration.faultkit import
 ...`` (the repository root is on sys.path, as for ``tests.conftest``)."""
@@ -8,12 +9,14 @@ A plain module, not a test file: import it as ``from tests.integration.faultkit 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 from pathlib import Path
 
+from arpo_async.jobs.chaos_faults import gone, signal_group  # shared with the chaos soak
 from tests.conftest import PY, REPO, SPINE, python_env
+
+__all__ = ["Run", "check_ledger", "gone", "signal_group"]
 
 
 class Run:
@@ -89,16 +92,3 @@ def check_ledger(ledger: dict) -> None:
     for actor, led in ledger.items():
         assert led["received"] == led["trained"] + sum(led["dropped"].values()), (actor, led)
         assert led["sent"] == led["received"] + led["lost"], (actor, led)
-
-
-def signal_group(pid: int, sig: int) -> None:
-    os.killpg(pid, sig)  # actors run in their own session: engine workers included
-
-
-def gone(pid: int) -> bool:
-    """The process exited (a zombie not yet reaped counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"  # exited, not yet reaped
-    except FileNotFoundError:
-        return True

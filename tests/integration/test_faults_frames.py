@@ -9,86 +9,17 @@ from __future__ import annotations
 import signal
 import time
 
-import msgpack
 import numpy as np
 import pytest
 import yaml
 
+from arpo_async.jobs.chaos_faults import fuzz_frames  # shared with the chaos soak
 from tests.integration.faultkit import Run, check_ledger, signal_group
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 FUZZ_FRAMES = 10_000
 MAX_MB = 8  # transport.max_message_mb of the fuzz run
-
-
-def _valid_group_frames(rng: np.random.Generator) -> list[bytes]:
-    from arpo_async.core.protocol import Trajectory, TrajectoryGroup, encode
-
-    n = int(rng.integers(1, 20))
-    leaf = Trajectory(tokens=rng.integers(0, 100, n, dtype=np.int32),
-                      loss_mask=np.ones(n, np.uint8), logprobs=-rng.random(n, np.float32),
-                      versions=np.zeros(n, np.int32))
-    group = TrajectoryGroup("fuzz", 0, "p", np.arange(1, 5, dtype=np.int32), [leaf])
-    return [bytes(f) for f in encode(group)]
-
-
-def _with_header(frames: list[bytes], change) -> list[bytes]:
-    header = msgpack.unpackb(frames[0], raw=False)
-    change(header)
-    return [msgpack.packb(header, use_bin_type=True)] + frames[1:]
-
-
-def _bad_semantics(rng: np.random.Generator, kind: int) -> list[bytes]:
-    """Groups that decode but must not be trained on (learner/service.py check_group)."""
-    from arpo_async.core.protocol import Trajectory, TrajectoryGroup, encode
-
-    n = 8
-    fields = dict(tokens=np.arange(1, n + 1, dtype=np.int32), loss_mask=np.ones(n, np.uint8),
-                  logprobs=np.full(n, -1.0, np.float32), versions=np.zeros(n, np.int32))
-    bad = [{"tokens": np.full(n, 10**6, np.int32)}, {"tokens": np.full(n, -5, np.int32)},
-           {"logprobs": np.full(n, np.nan, np.float32)}, {"loss_mask": np.full(n, 7, np.uint8)},
-           {"parent": 0, "branch_point": 2}, {"reward": float("nan")},
-           {"versions": np.full(n, -9, np.int32)}][kind % 7]
-    group = TrajectoryGroup("fuzz", 0, "p", np.arange(1, 4, dtype=np.int32),
-                            [Trajectory(**(fields | bad))])
-    return [bytes(f) for f in encode(group)]
-
-
-def fuzz_frames(rng: np.random.Generator, i: int) -> list[bytes]:
-    """Frame list number ``i``: every one of them must be rejected."""
-    kind = i % 10
-    if kind == 0:  # random bytes
-        return [rng.bytes(int(rng.integers(0, 300))) for _ in range(int(rng.integers(1, 4)))]
-    frames = _valid_group_frames(rng)
-    if kind == 1:  # truncated header
-        return [frames[0][:int(rng.integers(0, len(frames[0])))]] + frames[1:]
-    if kind == 2:  # a frame missing or one too many
-        return frames[:-1] if rng.random() < 0.5 else frames + [b"extra"]
-    if kind == 3:  # wrong protocol version
-        bad = [0, 2, 99, -1, "1", 1.0, True, None][int(rng.integers(0, 8))]
-        return _with_header(frames, lambda h: h.__setitem__("p", bad))
-    if kind == 4:  # unknown kind
-        return _with_header(frames, lambda h: h.__setitem__("kind", f"kind{i}"))
-    if kind == 5:  # wrong types in valid msgpack
-        key, wrong = [("group_id", [7, 1.5, None, [1]]), ("actor_id", ["0", 1.5, None, True]),
-                      ("prompt_id", [3, None, {"a": 1}, b"p"]),
-                      ("leaves", [5, "x", None, {"a": 1}, [1, 2]]),
-                      ("created_at", ["now", None, [1.0], True])][i % 5]
-        value = wrong[int(rng.integers(0, len(wrong)))]
-        return _with_header(frames, lambda h: h["body"].__setitem__(key, value))
-    if kind == 6:  # array specs lying about sizes
-        return _with_header(frames, lambda h: h["arrays"][1].__setitem__(
-            2, [int(rng.integers(21, 10**6))]))
-    if kind == 7:  # oversized: over max_message_mb, under libzmq's hard limit (2x)
-        if i % 500 == 7:
-            return [rng.bytes(int(MAX_MB * 2**20 * 1.2))]
-        return [frames[0][:int(rng.integers(1, len(frames[0])))]]  # keep the run fast
-    if kind == 8:  # a valid message of the wrong kind for this socket
-        from arpo_async.core.protocol import Hello, encode
-
-        return [bytes(f) for f in encode(Hello(actor_id=0, pid=i))]
-    return _bad_semantics(rng, i)
 
 
 def test_fuzzed_frames_and_an_actor_that_keeps_dying_leave_training_going(tiny_model_dir,
@@ -113,7 +44,7 @@ def test_fuzzed_frames_and_an_actor_that_keeps_dying_leave_training_going(tiny_m
     sock.connect(f"tcp://127.0.0.1:{port}")
     t0, sent_at_step = time.time(), run.step()
     for i in range(FUZZ_FRAMES):
-        sock.send_multipart(fuzz_frames(rng, i))
+        sock.send_multipart(fuzz_frames(rng, i, MAX_MB))
     sock.close()
     ctx.term()  # waits (linger) until every frame left
     fuzz_s, fuzz_end_step = time.time() - t0, run.step()
