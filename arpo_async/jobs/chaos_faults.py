@@ -219,9 +219,10 @@ def send_garbage(host: str, trajectory_port: int, control_port: int, n: int,
 
 class DelayProxy:
     """A TCP proxy on 127.0.0.1 in front of ``upstream_port`` (the retriever), in its own
-    thread. ``slow(delay_s, until)`` holds every new connection ``delay_s`` before it is
-    forwarded until ``until`` (time.time()): the search tool then sees a slow service,
-    and its calls time out past ``tools.timeout_s``."""
+    thread. ``slow(delay_s, until)`` holds every request ``delay_s`` (each chunk a client
+    sends, on new and kept-alive connections alike) until ``until`` (time.time()): the
+    search tool then sees a slow service, and its calls time out past
+    ``tools.timeout_s``."""
 
     def __init__(self, upstream_port: int):
         self.upstream_port, self.port = upstream_port, 0
@@ -249,18 +250,18 @@ class DelayProxy:
 
     async def _handle(self, reader, writer) -> None:
         self.connections += 1
-        if time.time() < self.until:
-            self.delayed += 1
-            await asyncio.sleep(self.delay_s)
         try:
             up_r, up_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
         except OSError:  # the retriever is down: the client sees the connection close
             writer.close()
             return
 
-        async def pipe(src, dst) -> None:
+        async def pipe(src, dst, slowed: bool) -> None:
             try:
                 while data := await src.read(65536):
+                    if slowed and time.time() < self.until:
+                        self.delayed += 1
+                        await asyncio.sleep(self.delay_s)
                     dst.write(data)
                     await dst.drain()
             except (OSError, asyncio.IncompleteReadError):
@@ -268,7 +269,7 @@ class DelayProxy:
             finally:
                 dst.close()
 
-        await asyncio.gather(pipe(reader, up_w), pipe(up_r, writer))
+        await asyncio.gather(pipe(reader, up_w, True), pipe(up_r, writer, False))
 
     def close(self) -> None:
         if self._thread.is_alive():
