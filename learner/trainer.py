@@ -168,6 +168,7 @@ class PolicyTrainer:
         self.zero3 = cfg.learner.zero_stage == 3
         self.minibatches, self.ppo_epochs = cfg.learner.minibatches, cfg.learner.ppo_epochs
         self.last_steps: list[dict[str, float]] = []  # the last batch's per-step metrics
+        self.last_entropy_stats: tuple[float, float] | None = None  # and its z(H) statistics
         self.reference = None
         if self.loss_settings.kl_coef != 0.0:  # a frozen copy of the initial weights
             from learner.reference import ReferencePolicy
@@ -203,6 +204,7 @@ class PolicyTrainer:
                     "packing/leaf_tokens": float(sum(b.leaf_tokens for b in flat)),
                     "packing/kept_apart": float(sum(b.kept_apart for b in flat))}
         self.last_steps = [m for m, _ in steps]
+        self.last_entropy_stats = pre.entropy_stats
         return out
 
     def _micro_batches(self, part: list[LeafSample]) -> list:

@@ -42,9 +42,10 @@ def test_preset_carries_the_published_settings(name):
     assert (s.temperature, s.top_p, ln.lr, ln.loss.kl_coef, ln.loss.entropy_coef) == (
         1.0, 1.0, 1e-6, 0.0, 0.0)
     assert (ro.alpha, ro.beta, ro.branch_factor, ro.entropy_window) == (0.5, 0.2, 1, 20)
-    # batch 128 prompts, mini-batch 16: one optimizer step per 16 groups, and admission
-    # keeps at most (max_staleness + 1) * batch_groups = 128 groups in flight
-    assert ln.batch_groups == 16 and (ln.max_staleness + 1) * ln.batch_groups == 128
+    # batch 128 prompts, mini-batch 16: eight optimizer steps per rollout batch of 128
+    # groups, one epoch, the proximal policy kept from before the first step
+    assert (ln.batch_groups, ln.minibatches, ln.ppo_epochs) == (128, 8, 1)
+    assert ln.loss.proximal == "recompute"
     assert (ln.loss.eps_low, ln.loss.eps_high, ln.loss.dual_clip) == (0.2, 0.2, 3.0)
     assert cfg.model.dtype == "bfloat16" and cfg.cluster.device == "cuda"
     assert not cfg.model.build_if_missing  # never a random tiny model in place of Qwen
