@@ -36,6 +36,7 @@ import contextlib
 import fcntl
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -115,7 +116,8 @@ def run_arm(base, arm: str, seed: int, args, sft: str, url: str, out: Path,
            "p_mean": rl.get("branch_p_mean_mean"), "steps": rl.get("steps"),
            "rl_wall_s": rl.get("rl_wall_s"), "stage_s": round(t_rl, 1),
            "eval_s": round(time.time() - t0 - t_rl, 1), "alpha": cfg.rollout.alpha,
-           "beta": cfg.rollout.beta, "run_dir": str(run_dir)}
+           "beta": cfg.rollout.beta, "loadavg_1m_after": round(os.getloadavg()[0], 2),
+           "run_dir": str(run_dir)}
     if arm == "arpo":
         row["decision_weighted_p"] = decision_weighted_p(run_dir)
     return row
