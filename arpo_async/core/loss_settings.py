@@ -24,7 +24,8 @@ class LossSettings:
     is_cap: float = _knob(2.0, "C: truncation cap of the IS weight")
     is_mask_low: float = _knob(0.5, "mask mode: lower bound of exp(prox - mu)")
     is_mask_high: float = _knob(2.0, "mask mode: upper bound of exp(prox - mu)")
-    kl_coef: float = _knob(0.0, "k3 KL to the reference model (0 in ARPO)")
+    kl_coef: float = _knob(0.0, "k3 KL to a frozen copy of the initial weights, loaded on "
+                           "the learner when > 0 (0 in ARPO and AEPO)")
     entropy_coef: float = _knob(0.0, "entropy bonus (0 in ARPO)")
     aepo_entropy_clip: bool = _knob(False, "AEPO: entropy-balanced clipping")
     aepo_entropy_adv_gamma: float = _knob(0.0, "AEPO: entropy-aware advantage gamma")
