@@ -196,3 +196,23 @@ def test_clip_acts_from_the_second_minibatch(runs):
     assert ref_steps[0]["clip_changes_grad"] < 1e-6 * ref_steps[0]["grad_norm"]
     assert ref_steps[1]["clip_changes_grad"] > 0.05 * ref_steps[1]["grad_norm"]
     assert steps[1]["grad_norm"] == pytest.approx(ref_steps[1]["grad_norm"], rel=1e-4)
+
+
+def test_minibatches_are_whole_groups_and_deterministic():
+    from learner.batching import samples_from_groups
+    from learner.trainer import split_minibatches
+
+    samples, _ = samples_from_groups(make_groups(3, n_groups=6), "soft")
+    parts = split_minibatches(samples, 4)
+    again = split_minibatches(samples, 4)
+    assert [[id(s) for s in p] for p in parts] == [[id(s) for s in p] for p in again]
+    assert all(p for p in parts) and sum(map(len, parts)) == len(samples)
+    where = {s.group: k for k, p in enumerate(parts) for s in p}
+    assert all(where[s.group] == k for k, p in enumerate(parts) for s in p)
+
+
+def test_more_minibatches_than_groups_is_refused_naming_the_key():
+    from arpo_async.core.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"^learner\.minibatches=3 > learner\.batch_groups=2"):
+        load_config(None, ["learner.minibatches=3", "learner.batch_groups=2"])
