@@ -16,7 +16,7 @@ log = logging.getLogger("actor")
 
 def build_rollout(cfg, engine, source, tokenizer, tools, rng):
     """Plain sampling without tools; the tool-interleaved rollout otherwise."""
-    if not cfg.tools.enabled and cfg.rollout.mode == "grpo":
+    if not cfg.tools.offered and cfg.rollout.mode == "grpo":
         from actors.rollout import PlainRollout
 
         return PlainRollout(cfg, engine, source, tokenizer, rng)
@@ -38,7 +38,7 @@ async def run_actor(cfg, actor_id: int) -> None:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     engine = await build_engine(cfg, cfg.model.path, actor_id)
     tools = None
-    if cfg.tools.enabled:
+    if cfg.tools.offered:
         from toolenv.runner import build_tools
 
         tools = build_tools(cfg.tools, cfg.run.dir)

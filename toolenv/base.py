@@ -1,20 +1,35 @@
 """The tool protocol: what a tool is and what one call returns.
 
-A tool is anything with a ``name``, a ``version`` and an async ``call(args)`` returning a
-``ToolResult``. Every call goes through ``toolenv.runner.ToolRunner`` (cache, rate limit,
-concurrency limit, timeout, retries, metrics); ``toolenv.runner.build_tools`` wires the
-tools listed in ``tools.enabled``.
+A tool is a class with
+
+- ``name``: its tag under the arpo syntax (``<name>...</name>``) and its function name
+  under hermes (``{"name": ..., "arguments": ...}``); letters, digits, ``_`` and ``-``;
+- ``description`` and ``parameters`` (a JSON schema of type object): what the model is
+  told about it (the chat template's ``tools=`` under hermes, a line of the system prompt
+  under arpo for tools the task's prompt does not describe);
+- ``version``: a str, part of the result cache key; bump it when results would change;
+- ``async call(args: str) -> ToolResult``: one call. ``args`` is the call's text: under
+  arpo the tag's body; under hermes the value of the schema's only property, or the
+  arguments object as JSON (sorted keys) when the schema has several (``call_text``);
+- optionally ``async close()`` and ``stats() -> dict[str, float]`` (added to the tool
+  metrics as ``<name>.<key>``).
+
+A custom tool (``tools.custom``, docs/tools.md) is constructed without arguments; the
+class is checked when the config is loaded (``arpo_async.core.tool_classes``). Every call
+goes through ``toolenv.runner.ToolRunner`` (cache, rate limit, concurrency limit,
+timeout, retries, metrics); ``toolenv.runner.build_tools`` wires the configured tools.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 
 @dataclass
 class ToolResult:
-    text: str  # what goes between <result>...</result>
+    text: str  # what the model reads: inside <result>...</result>, or the tool message
     ok: bool  # False on error/timeout
     latency_s: float = 0.0
     cached: bool = False
@@ -23,9 +38,36 @@ class ToolResult:
 
 
 class Tool(Protocol):
-    name: str  # "python", "search"
+    name: str  # "python", "search", "calculator"
+    description: str  # one or two sentences for the model
+    parameters: dict[str, Any]  # JSON schema of the arguments: {"type": "object", ...}
     version: str  # bump when results would change; part of the cache key
 
     async def call(self, args: str) -> ToolResult: ...
 
-    async def close(self) -> None: ...
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """What the model is told about a tool (pure data: picklable, no tool instance)."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+    @classmethod
+    def of(cls, tool: Any) -> ToolSpec:
+        return cls(tool.name, tool.description, tool.parameters)
+
+    def chat_tool(self) -> dict[str, Any]:
+        """The OpenAI/Hermes function entry a chat template's ``tools=`` takes."""
+        return {"type": "function", "function": {"name": self.name,
+                "description": self.description, "parameters": self.parameters}}
+
+    def call_text(self, arguments: dict[str, Any]) -> str:
+        """A JSON call's arguments as the tool's ``args``: the value of the only
+        property (str as is, anything else as JSON), else the object as JSON."""
+        props = list(self.parameters.get("properties", {}))
+        if len(props) == 1 and set(arguments) <= set(props):
+            value = arguments.get(props[0], "")
+            return value if isinstance(value, str) else json.dumps(value)
+        return json.dumps(arguments, sort_keys=True)

@@ -159,6 +159,9 @@ class PythonTool:
     """``<python>code</python>``: run code in a fresh sandbox, return what it printed."""
 
     name = "python"
+    description = "Run Python code in a sandbox and return what it printed (use print)."
+    parameters = {"type": "object", "required": ["code"], "properties": {
+        "code": {"type": "string", "description": "the program to run"}}}
 
     def __init__(self, cpu_s: int = 5, memory_mb: int = 512, max_procs: int = 32,
                  max_output: int = 4096, wall_timeout_s: float = 10.0,

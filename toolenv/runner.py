@@ -7,7 +7,11 @@ backoff for transient errors only -> cache store of successful results. Errors a
 timeouts are never cached, and a timeout is never retried (a snippet that ran out of time
 once will do so again).
 
-``build_tools`` wires the tools listed in ``ToolsConfig.enabled``.
+``build_tools`` wires the tools listed in ``ToolsConfig.enabled`` and the classes named in
+``ToolsConfig.custom``: a custom tool gets exactly this runner, its calls counted per tool
+like the built-in ones. A call that cannot run (a Hermes call whose JSON does not parse,
+names no known tool, or has arguments its schema rejects) is answered by ``reject``:
+counted as a call and an error, never executed.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from asyncio_throttle import Throttler
 
+from arpo_async.core.config import ConfigError
 from toolenv.base import Tool, ToolResult
 
 if TYPE_CHECKING:
@@ -63,7 +68,7 @@ class ToolRunner:
         self._slots = asyncio.Semaphore(concurrency)
         self._counts = dict.fromkeys(
             ("calls", "executed", "cache_hits", "cache_misses", "errors", "timeouts", "retries",
-             "cache_lookup_errors", "cache_store_errors"), 0)
+             "invalid_calls", "cache_lookup_errors", "cache_store_errors"), 0)
         self._latency_sum = 0.0
         self._latencies: deque[float] = deque(maxlen=_LATENCY_WINDOW)
         self._per_tool: dict[str, dict[str, float]] = {}
@@ -83,6 +88,15 @@ class ToolRunner:
                 self._store(tool, args, result)
         result.latency_s = time.perf_counter() - start
         self._count(name, result)
+        return result
+
+    def reject(self, name: str, message: str) -> ToolResult:
+        """Answer a call that cannot run (its ``message`` is what the model reads): counted
+        as a call, an error and an invalid call of ``name`` (of "invalid" when it names no
+        known tool: the model's made-up names never become metric keys), never executed."""
+        result = ToolResult(message, ok=False, error="invalid_call")
+        self._counts["invalid_calls"] += 1
+        self._count(name if name in self.tools else "invalid", result)
         return result
 
     def _lookup(self, tool: Tool, args: str) -> ToolResult | None:
@@ -155,7 +169,8 @@ class ToolRunner:
 
         calls: every call; executed: calls that ran the tool (cache hits did not; retries
         are counted apart in retries); cache_hits/cache_misses: lookups; errors: calls
-        whose final result was not ok (timeouts and unknown tools included); timeouts;
+        whose final result was not ok (timeouts, unknown tools and invalid calls
+        included); invalid_calls: calls answered by ``reject``; timeouts;
         cache_lookup_errors/cache_store_errors: cache failures that cost only the cache.
         Latency is in seconds, end to end as the caller saw it (throttling and retries
         included); percentiles over the last 10,000 calls, the mean over all. A tool with
@@ -177,13 +192,16 @@ class ToolRunner:
 
     async def close(self) -> None:
         for tool in self.tools.values():
-            await tool.close()
+            if callable(getattr(tool, "close", None)):  # optional for custom tools
+                await tool.close()
         if self.cache is not None:
             self.cache.close()
 
 
 def build_tools(cfg: ToolsConfig, run_dir: str | Path) -> ToolRunner:
-    """The runner for ``cfg.enabled`` with the shared cache and the configured limits.
+    """The runner for ``cfg.enabled`` and ``cfg.custom`` with the shared cache and the
+    configured limits. A custom class is constructed without arguments; one that fails
+    raises ConfigError naming the key and the path.
 
     The Python tool's own wall-clock limit is set a little under ``cfg.timeout_s`` so that
     it, not the runner's backstop, reports the timeout (with the output printed so far).
@@ -212,5 +230,25 @@ def build_tools(cfg: ToolsConfig, run_dir: str | Path) -> ToolRunner:
         else:
             cache.close()
             raise ValueError(f"tools.enabled: unknown tool {name!r} (known: python, search)")
+    try:
+        tools |= custom_tools(cfg)
+    except ConfigError:
+        cache.close()
+        raise
     return ToolRunner(tools, cache, rate_per_s=cfg.rate_per_s, concurrency=cfg.concurrency,
                       timeout_s=cfg.timeout_s, retries=cfg.retries)
+
+
+def custom_tools(cfg: ToolsConfig) -> dict[str, Tool]:
+    """Instances of the ``tools.custom`` classes by name (the config checked the classes)."""
+    from arpo_async.core.tool_classes import load_tool_class
+
+    out: dict[str, Tool] = {}
+    for i, path in enumerate(cfg.custom):
+        cls = load_tool_class(path)
+        try:
+            out[cls.name] = cls()
+        except Exception as exc:  # the user's constructor: one line, not a traceback
+            raise ConfigError(f"tools.custom[{i}]={path}: constructing {cls.__name__}() failed "
+                              f"({type(exc).__name__}: {exc})") from None
+    return out

@@ -108,6 +108,9 @@ class SearchTool:
     """``<search>query</search>`` against a retriever at ``url`` (POST /retrieve)."""
 
     name = "search"
+    description = "Search the documents and return the best-matching snippets."
+    parameters = {"type": "object", "required": ["query"], "properties": {
+        "query": {"type": "string", "description": "what to look for"}}}
 
     def __init__(
         self, url: str, topk: int = 3, snippet_chars: int = 200, session_timeout_s: float = 10

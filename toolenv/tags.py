@@ -15,19 +15,29 @@ the round. Tool calls and results may sit inside ``<think>`` (ARPO's prompt lets
 model call tools while thinking); every other nesting is malformed. The bodies of tool
 calls and results are opaque: a search snippet that happens to contain ``<answer>`` is
 text, not a tag.
+
+The tag of a tool is its name (``<calculator>...</calculator>`` for a tool named
+``calculator``, tools.custom): every function takes the configured tool names as
+``tools`` (default: python and search, the module constants). The scanner itself works on
+a ``Markup``, the opaque blocks of a syntax, so the Hermes syntax (toolenv/syntax.py:
+``<tool_call>`` JSON calls answered by the chat template's tool message) shares it.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import textwrap
+from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import lru_cache
 
-TOOL_TAGS = {"python": ("<python>", "</python>"), "search": ("<search>", "</search>")}
+DEFAULT_TOOLS = ("python", "search")
+TOOL_TAGS = {name: (f"<{name}>", f"</{name}>") for name in DEFAULT_TOOLS}
 STOP_TAGS = ["</python>", "</search>", "</answer>"]
+RESERVED = frozenset({"think", "result", "answer", "tool_call", "tool_response"})
+TAG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")  # what a tool name must look like
 
-_TAG_RE = re.compile(r"<(/?)(think|python|search|result|answer)>")
-_OPAQUE = ("python", "search", "result")  # bodies are content, not markup
 _FENCE_RE = re.compile(r"^\s*```[A-Za-z0-9_+-]*[ \t]*\n(.*?)\n?[ \t]*```\s*$", re.DOTALL)
 _BOXED = "\\boxed{"
 
@@ -35,26 +45,66 @@ _BOXED = "\\boxed{"
 @dataclass
 class ToolCall:
     name: str
-    args: str
+    args: str  # the text the tool is called with (toolenv/base.py)
+    error: str = ""  # set when the call cannot run (bad JSON, unknown tool, bad arguments)
+
+
+@dataclass(frozen=True)
+class Markup:
+    """The opaque blocks of one tool-call syntax: calls and results (bodies are content).
+
+    ``calls``: (kind, open, close) per call block; ``result``: (open, close) of a tool
+    result; ``json_calls``: the call body is ``{"name": ..., "arguments": ...}`` (the
+    tool's name is in the body, not the tag); ``tools``: the configured tool names.
+    """
+
+    calls: tuple[tuple[str, str, str], ...]
+    result: tuple[str, str]
+    tools: tuple[str, ...]
+    json_calls: bool = False
+    result_label: tuple[str, str] = ("<result>", "</result>")  # how errors name the result
 
 
 @dataclass
 class _Block:
     tag: str
-    start: int  # index of "<tag>"
-    end: int  # index just past "</tag>"
+    start: int  # index of the opening text
+    end: int  # index just past the closing text
     body: str
 
 
-def find_tool_call(round_text: str) -> ToolCall | None:
+def tool_tags(tools: Iterable[str] | None = None) -> dict[str, tuple[str, str]]:
+    """Opening and closing tag of each tool (default: python and search)."""
+    return TOOL_TAGS if tools is None else {name: (f"<{name}>", f"</{name}>") for name in tools}
+
+
+def stop_tags(tools: Iterable[str] | None = None) -> list[str]:
+    """Where a round stops: each tool's closing tag, then ``</answer>``."""
+    return [close for _, close in tool_tags(tools).values()] + ["</answer>"]
+
+
+@lru_cache(maxsize=64)
+def arpo_markup(tools: tuple[str, ...] = DEFAULT_TOOLS) -> Markup:
+    """The ARPO tags of these tools (a tuple, so the result can be cached)."""
+    calls = tuple((name, f"<{name}>", f"</{name}>") for name in tools)
+    return Markup(calls=calls, result=("<result>", "</result>"), tools=tuple(tools))
+
+
+def _markup(markup: Markup | None, tools: Iterable[str] | None) -> Markup:
+    if markup is not None:
+        return markup
+    return arpo_markup(DEFAULT_TOOLS if tools is None else tuple(tools))
+
+
+def find_tool_call(round_text: str, tools: Iterable[str] | None = None) -> ToolCall | None:
     """The tool call that ended a generation round, or None.
 
     The round must end with a closing tool tag (trailing whitespace allowed); the call is
     the body between the last matching opening tag and that closing tag. Markdown code
-    fences around the body are removed; python code is dedented, queries stripped.
+    fences around the body are removed; python code is dedented, other bodies stripped.
     """
     text = round_text.rstrip()
-    for name, (open_tag, close_tag) in TOOL_TAGS.items():
+    for name, (open_tag, close_tag) in tool_tags(tools).items():
         if not text.endswith(close_tag):
             continue
         body_end = len(text) - len(close_tag)
@@ -115,29 +165,47 @@ def _balanced(text: str, start: int) -> str | None:
     return None
 
 
-def _scan(text: str) -> tuple[list[_Block], str]:
+@lru_cache(maxsize=64)
+def _lexicon(markup: Markup) -> tuple[re.Pattern, dict[str, tuple[str, bool, str, str, str]]]:
+    """The scanner's regex and, per literal: (block kind, closing?, close text, open
+    label, close label). Longer literals first, so a prefix never shadows its extension."""
+    table: dict[str, tuple[str, bool, str, str, str]] = {}
+    for tag in ("think", "answer"):
+        table[f"<{tag}>"] = (tag, False, f"</{tag}>", f"<{tag}>", f"</{tag}>")
+        table[f"</{tag}>"] = (tag, True, f"</{tag}>", f"<{tag}>", f"</{tag}>")
+    for kind, open_, close in markup.calls:
+        table[open_] = (kind, False, close, open_, close)
+        table[close] = (kind, True, close, open_, close)
+    (r_open, r_close), (l_open, l_close) = markup.result, markup.result_label
+    table[r_open] = ("result", False, r_close, l_open, l_close)
+    table.setdefault(r_close, ("result", True, r_close, l_open, l_close))
+    pattern = re.compile("|".join(re.escape(t) for t in sorted(table, key=len, reverse=True)))
+    return pattern, table
+
+
+def _scan(text: str, markup: Markup) -> tuple[list[_Block], str]:
     """Top-level and think-nested blocks in order, plus the first format error ("" if none).
 
     Opaque blocks (tool calls, results) are skipped whole, so tags inside them are ignored.
     """
+    pattern, table = _lexicon(markup)
     blocks: list[_Block] = []
     think_start = -1
     pos = 0
     while True:
-        match = _TAG_RE.search(text, pos)
+        match = pattern.search(text, pos)
         if match is None:
             break
-        closing, tag = match.group(1) == "/", match.group(2)
-        if tag in _OPAQUE or tag == "answer":
+        tag, closing, close_text, open_label, close_label = table[match.group(0)]
+        if tag != "think":
             if closing:
-                return blocks, f"</{tag}> without <{tag}>"
+                return blocks, f"{close_label} without {open_label}"
             if tag == "answer" and think_start >= 0:
                 return blocks, "<answer> inside <think>"
-            close_tag = f"</{tag}>"
-            close = text.find(close_tag, match.end())
+            close = text.find(close_text, match.end())
             if close < 0:
-                return blocks, f"unclosed <{tag}>"
-            end = close + len(close_tag)
+                return blocks, f"unclosed {open_label}"
+            end = close + len(close_text)
             blocks.append(_Block(tag, match.start(), end, text[match.end():close]))
             pos = end
             continue
@@ -157,15 +225,17 @@ def _scan(text: str) -> tuple[list[_Block], str]:
     return blocks, ""
 
 
-def validate_format(text: str) -> tuple[bool, str]:
+def validate_format(text: str, tools: Iterable[str] | None = None,
+                    markup: Markup | None = None) -> tuple[bool, str]:
     """Check a whole response: (ok, reason). The reason names the first problem.
 
     Rules: tags balanced and not nested (tool calls and results may sit inside
-    <think>); every <result> directly follows a tool call; exactly one
+    <think>); every result directly follows a tool call; exactly one
     <answer>...</answer>, at the end (only whitespace after it), holding a balanced
-    \\boxed{...}.
+    \\boxed{...}. ``markup`` (a syntax's blocks) takes precedence over ``tools``.
     """
-    blocks, error = _scan(text)
+    markup = _markup(markup, tools)
+    blocks, error = _scan(text, markup)
     if error:
         return False, error
     answers = [b for b in blocks if b.tag == "answer"]
@@ -173,21 +243,40 @@ def validate_format(text: str) -> tuple[bool, str]:
         return False, f"expected exactly one <answer> block, found {len(answers)}"
     if text[answers[0].end:].strip():
         return False, "text after </answer>"
+    kinds = {kind for kind, _, _ in markup.calls}
     ordered = sorted(blocks, key=lambda b: b.start)
     for prev, block in zip([None, *ordered], ordered):
         if block.tag != "result":
             continue
-        if prev is None or prev.tag not in TOOL_TAGS or text[prev.end:block.start].strip():
-            return False, "<result> not directly after a tool call"
+        if prev is None or prev.tag not in kinds or text[prev.end:block.start].strip():
+            return False, f"{markup.result_label[0]} not directly after a tool call"
     if extract_answer(text) is None:
         return False, "answer has no \\boxed{...}"
     return True, "ok"
 
 
-def tools_used(text: str) -> set[str]:
-    """Names of the tools called in a response (calls inside results do not count)."""
-    blocks, _ = _scan(text)
-    return {b.tag for b in blocks if b.tag in TOOL_TAGS}
+def tools_used(text: str, tools: Iterable[str] | None = None,
+               markup: Markup | None = None) -> set[str]:
+    """Names of the tools called in a response (calls inside results do not count; a
+    JSON call counts when it names a configured tool)."""
+    markup = _markup(markup, tools)
+    blocks, _ = _scan(text, markup)
+    kinds = {kind for kind, _, _ in markup.calls}
+    calls = [b for b in blocks if b.tag in kinds]
+    if not markup.json_calls:
+        return {b.tag for b in calls}
+    names = {json_call_name(b.body) for b in calls}
+    return names & set(markup.tools)
+
+
+def json_call_name(body: str) -> str:
+    """The ``name`` of a JSON tool call, or "" when the body is not one."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return ""
+    name = obj.get("name") if isinstance(obj, dict) else None
+    return name if isinstance(name, str) else ""
 
 
 def format_result(text: str) -> str:

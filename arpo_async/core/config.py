@@ -279,6 +279,13 @@ class TaskConfig(_Section):
 
 class ToolsConfig(_Section):
     enabled: list[str] = Field(default_factory=list, description="tools offered: python, search")
+    custom: list[str] = Field(
+        default_factory=list, description="your own tools, offered too: module:Class import "
+        "paths of classes following the tool protocol (toolenv/base.py, docs/tools.md)")
+    syntax: Literal["arpo", "hermes"] = Field(
+        "arpo", description="tool-call format: arpo tags (<python>code</python>, results in "
+        "<result>), or hermes (<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>, "
+        "results as the chat template's tool message, schemas via its tools= argument)")
     cache_dir: str = Field("", description="shared tool-result cache folder ('' = run_dir/tool_cache)")
     cache_ttl_s: float = Field(0.0, description="tool cache entry lifetime (0: forever)")
     rate_per_s: float = Field(100.0, description="tool calls per second per actor")
@@ -299,6 +306,18 @@ class ToolsConfig(_Section):
     retriever_url: str = Field("", description="retriever endpoint (POST /retrieve)")
     search_topk: int = Field(3, description="snippets per search")
     search_snippet_chars: int = Field(200, description="characters kept per snippet")
+
+    @model_validator(mode="after")
+    def _custom_tools(self) -> "ToolsConfig":
+        from arpo_async.core.tool_classes import custom_tool_names
+
+        custom_tool_names(self.custom, self.enabled)  # imports each class and checks it
+        return self
+
+    @property
+    def offered(self) -> bool:
+        """Any tool offered (built-in or custom)?"""
+        return bool(self.enabled or self.custom)
 
 
 class SimConfig(_Section):

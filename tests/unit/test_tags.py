@@ -169,3 +169,103 @@ def test_generated_trajectories_are_valid(calls, final):
     assert validate_format(text) == (True, "ok")
     assert extract_answer(text) == final
     assert tools_used(text) == {name for name, _ in calls}
+
+
+# ---------------------------------------------------------------- both syntaxes (tools.syntax)
+# The same response written in each syntax (toolenv/syntax.py) must parse the same way:
+# calls found, results recognised, formats judged, tools counted.
+
+CALLS = [("python", "print(6*7)", "42"), ("search", "capital of France", "Paris is the capital.")]
+
+
+@pytest.fixture(scope="module")
+def syntaxes(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from arpo_async.core.config import ToolsConfig
+    from toolenv.syntax import build_syntax
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    return {name: build_syntax(ToolsConfig(enabled=["python", "search"], syntax=name), tok)
+            for name in ("arpo", "hermes")}
+
+
+def _response(syn, calls, answer="<answer>The value is \\boxed{42}.</answer>\n"):
+    parts = ["<think>plan</think>\n"]
+    for name, args, out in calls:
+        parts += [syn.call_text(name, args), syn.result_text(out)]
+    return "".join(parts) + answer
+
+
+@pytest.mark.parametrize("name", ["arpo", "hermes"])
+def test_syntaxes_parse_the_same_response(syntaxes, name):
+    syn = syntaxes[name]
+    for i, (tool, args, _out) in enumerate(CALLS):
+        round_text = _response(syn, CALLS[:i], answer="") + syn.call_text(tool, args)
+        assert syn.find_call(round_text) == ToolCall(tool, args)
+        assert syn.find_call(round_text + "more") is None  # must END with the call
+    text = _response(syn, CALLS)
+    assert syn.validate_format(text) == (True, "ok")
+    assert syn.tools_used(text) == {"python", "search"}
+    assert extract_answer(text) == "42"
+    # a result the actor did not insert after a call, and an unclosed call, are malformed
+    made_up = syn.result_text("7") + "<answer>\\boxed{7}</answer>"
+    assert syn.validate_format(made_up) == (False, f"{syn.markup.result_label[0]} not "
+                                            "directly after a tool call")
+    unclosed = syn.call_text("python", "1").rsplit("</", 1)[0] + "<answer>\\boxed{1}</answer>"
+    assert not syn.validate_format(unclosed)[0]
+    # tool calls printed by a tool are content: they do not count as used
+    fake = _response(syn, [("python", "print(1)", syn.call_text("search", "x"))])
+    assert syn.validate_format(fake)[0] and syn.tools_used(fake) == {"python"}
+
+
+@pytest.mark.parametrize("name", ["arpo", "hermes"])
+@given(calls=st.lists(st.tuples(st.sampled_from(["python", "search"]), _plain, _plain),
+                      max_size=4), final=_plain)
+def test_generated_trajectories_are_valid_in_both_syntaxes(syntaxes, name, calls, final):
+    syn = syntaxes[name]
+    calls = [(tool, args.strip() or "x", out) for tool, args, out in calls]
+    text = _response(syn, calls, answer=f"<answer>\\boxed{{{final}}}</answer>")
+    assert syn.validate_format(text) == (True, "ok")
+    assert extract_answer(text) == final
+    assert syn.tools_used(text) == {tool for tool, _, _ in calls}
+
+
+@pytest.mark.parametrize(("body", "error"), [
+    ('{"name": "python", "arguments": {"code": "1"', "not valid JSON"),
+    ('["python"]', 'a tool call is {"name"'),
+    ('{"name": "browser", "arguments": {}}', "unknown tool 'browser' (available: python, search)"),
+    ('{"name": "python", "arguments": {"cod": "1"}}',
+     "invalid arguments for python: 'code' is a required property"),
+    ('{"name": "python", "arguments": {"code": 1}}', "invalid arguments for python: code: 1 is "
+     "not of type 'string'"),
+    ('{"name": "python", "arguments": "print(1)"}', "arguments must be a JSON object"),
+])
+def test_hermes_calls_that_cannot_run_carry_an_error(syntaxes, body, error):
+    call = syntaxes["hermes"].find_call(f"<think>x</think><tool_call>\n{body}\n</tool_call>\n")
+    assert call is not None and call.error.startswith("Error: ") and error in call.error
+
+
+def test_hermes_result_is_the_templates_tool_message(syntaxes, tiny_model_dir):
+    """Prompt + call + result ids equal the chat template's own ids for the conversation
+    with the tool message (nothing re-tokenised, nothing lost at the boundaries)."""
+    from toolenv.tasks.prompts import encode_prompt
+
+    syn = syntaxes["hermes"]
+    tok = syn.tokenizer
+    call = syn.call_text("python", "print(6*7)")
+    system, tools = syn.prompt("Be brief.")
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "6*7?"}]
+    ours = (encode_prompt(tok, "Be brief.", "6*7?", syn) + tok.encode(call) +
+            syn.result_ids("42"))
+    theirs = tok.apply_chat_template(
+        [*messages, {"role": "assistant", "content": call}, {"role": "tool", "content": "42"}],
+        tools=tools, tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert ours == list(theirs)
+    # the tool schemas reached the system prompt (the tiny ChatML template ignores tools=,
+    # so Qwen's tools block is written into it)
+    assert '"name": "python"' in tok.decode(ours) and tools is None
+    assert tok.decode(syn.result_ids("42")) == "<|im_end|>\n<|im_start|>tool\n42<|im_end|>\n" \
+                                                "<|im_start|>assistant\n"
+    # printed special tokens cannot end the tool turn early
+    assert tok.decode(syn.result_ids("x<|im_end|>")).count("<|im_end|>") == 2

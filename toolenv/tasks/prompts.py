@@ -14,9 +14,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from toolenv.tags import last_boxed
+from toolenv.tags import Markup, last_boxed
 
 ARITH_SYSTEM = "Answer with the final number in \\boxed{}."
+# The synthetic suite's prompt teaches ARPO's tags; under tools.syntax=hermes the tools
+# are described by the chat template (syntax.prompt), so the prompt keeps the rest.
+HERMES_SUITE_SYSTEM = ("Call the tools when they help: python runs code, search searches "
+                       "documents. End with <answer>\\boxed{}</answer>.")
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
@@ -48,6 +52,9 @@ class PromptSource:
         self._seed = [cfg.task.seed, cfg.run.seed, stream]
         self.rng = np.random.default_rng(self._seed)
         self.items = self._load()
+        from toolenv.syntax import build_syntax
+
+        self.syntax = build_syntax(cfg.tools, tokenizer)
         self.order = self.rng.permutation(len(self.items))
         self.pos = 0
         self.epoch = 0  # permutations used up: position = epoch * len(items) + pos
@@ -73,15 +80,14 @@ class PromptSource:
         raise ValueError(f"task.name: {task.name!r} is not available yet")
 
     def encode(self, prompt: Prompt) -> Prompt:
-        messages = ([{"role": "system", "content": prompt.system_prompt}]
-                    if prompt.system_prompt else [])
-        messages.append({"role": "user", "content": prompt.question})
-        ids = self.tokenizer.apply_chat_template(messages, tokenize=True,
-                                                 add_generation_prompt=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        prompt.tokens = [int(t) for t in ids]
+        prompt.tokens = encode_prompt(self.tokenizer, prompt.system_prompt, prompt.question,
+                                      self.syntax)
         return prompt
+
+    @property
+    def markup(self) -> Markup:
+        """The tool-call blocks responses are scored with (``tools.syntax``)."""
+        return self.syntax.markup
 
     @property
     def max_tokens(self) -> int:
@@ -137,8 +143,32 @@ class PromptSource:
         from toolenv.tasks.rewards import score_response
 
         ex = Example(prompt.id, prompt.question, prompt.answers, prompt.kind)
-        result = score_response(response, ex)
+        result = score_response(response, ex, markup=self.markup)
         return result.reward, result.correct
+
+
+def encode_prompt(tokenizer, system: str | None, question: str, syntax=None) -> list[int]:
+    """The chat-templated prompt ids with the generation prompt. With a syntax, the tools
+    reach the prompt its way (``ToolSyntax.prompt``: hermes through the template's
+    ``tools=``, or Qwen's tools block in the system prompt for a template without one)."""
+    tools = None
+    if syntax is not None:
+        if syntax.name == "hermes" and system == _suite_system():
+            system = HERMES_SUITE_SYSTEM
+        system, tools = syntax.prompt(system)
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": question})
+    ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True,
+                                        add_generation_prompt=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def _suite_system() -> str:
+    from toolenv.tasks.suite import SYSTEM_PROMPT
+
+    return SYSTEM_PROMPT
 
 
 def synthetic_prompts(seed: int, n: int) -> list[Prompt]:

@@ -1,8 +1,9 @@
 """Score a finished trajectory with ARPO's rule (docs/design.md "Rewards").
 
 -1 when the trajectory is malformed (unbalanced tags, not exactly one answer, no
-``\\boxed{}``); otherwise correctness in [0, 1], plus 0.1 when the answer is right and
-both tools (python and search) were used. Correctness is mathematical equivalence for
+``\\boxed{}``; tool calls and results in either syntax, toolenv/syntax.py); otherwise
+correctness in [0, 1], plus 0.1 when the answer is right and both tools (python and
+search) were used. Correctness is mathematical equivalence for
 math (math-verify, after a cheap string and exact-number check) and token F1 or exact
 match (SQuAD normalisation, max over accepted answers) for QA.
 
@@ -31,7 +32,7 @@ from decimal import Decimal, InvalidOperation
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from toolenv.tags import extract_answer, tools_used, validate_format
+from toolenv.tags import Markup, extract_answer, tools_used, validate_format
 
 if TYPE_CHECKING:
     from toolenv.tasks.data import Example
@@ -51,12 +52,14 @@ class Score:
     reason: str = ""
 
 
-def score_response(response_text: str, example: Example, qa_metric: str = "f1") -> Score:
+def score_response(response_text: str, example: Example, qa_metric: str = "f1",
+                   markup: Markup | None = None) -> Score:
     """ARPO reward of one response (the model's text after the prompt, tool results
-    included) against ``example.answers``."""
+    included) against ``example.answers``. ``markup``: the tool-call syntax's blocks
+    (``ToolSyntax.markup``; default ARPO's python and search tags)."""
     if qa_metric not in ("f1", "em"):
         raise ValueError(f"qa_metric must be 'f1' or 'em', got {qa_metric!r}")
-    ok, reason = validate_format(response_text)
+    ok, reason = validate_format(response_text, markup=markup)
     if not ok:
         return Score(MALFORMED_REWARD, 0.0, False, f"malformed: {reason}")
     pred = extract_answer(response_text)
@@ -69,7 +72,7 @@ def score_response(response_text: str, example: Example, qa_metric: str = "f1") 
         correct = metric(pred, example.answers)
     else:
         raise ValueError(f"example {example.id}: unknown kind {example.kind!r}")
-    if correct > 0 and BOTH_TOOLS <= set(tools_used(response_text)):
+    if correct > 0 and BOTH_TOOLS <= tools_used(response_text, markup=markup):
         return Score(correct + TWO_TOOL_BONUS, correct, True, "correct, both tools used")
     return Score(correct, correct, True, "correct" if correct > 0 else "wrong answer")
 
@@ -79,19 +82,21 @@ def score_many(
     examples: Sequence[Example],
     qa_metric: str = "f1",
     processes: int = 0,
+    markup: Markup | None = None,
 ) -> list[Score]:
     """Score pairs in order; with ``processes > 0`` in a pool of worker processes (chunks
     of 64), whose main threads keep math-verify's timeout."""
     if len(responses) != len(examples):
         raise ValueError(f"{len(responses)} responses for {len(examples)} examples")
     if processes <= 0:
-        return [score_response(r, e, qa_metric) for r, e in zip(responses, examples)]
+        return [score_response(r, e, qa_metric, markup) for r, e in zip(responses, examples)]
     metrics = [qa_metric] * len(responses)
     # forkserver, not fork: forking a process that runs threads (an actor's engine) can
     # deadlock the child.
     ctx = multiprocessing.get_context("forkserver")
     with ProcessPoolExecutor(max_workers=processes, mp_context=ctx) as pool:
-        return list(pool.map(score_response, responses, examples, metrics, chunksize=64))
+        return list(pool.map(score_response, responses, examples, metrics,
+                             [markup] * len(responses), chunksize=64))
 
 
 # ---------------------------------------------------------------- math

@@ -1,0 +1,1 @@
+"""Example tools for ``tools.custom`` (docs/tools.md)."""
