@@ -1,22 +1,29 @@
-"""The policy under DeepSpeed: build the engine, run one importance-corrected update,
-gather full weights for a broadcast, save and load checkpoints (HF files for
-transformers/vLLM plus DeepSpeed's own state for an exact resume).
+"""The policy under DeepSpeed: build the engine, run one importance-corrected update per
+rollout batch, gather full weights for a broadcast, save and load checkpoints (HF files
+for transformers/vLLM plus DeepSpeed's own state for an exact resume).
+
+An update (``train_step``) is ``learner.minibatches`` x ``learner.ppo_epochs`` optimizer
+steps, one per mini-batch of whole groups, as the papers' engine (verl) takes them.
+Before the first step one no-grad pass over every micro-batch computes what all steps
+share: proximal log-probs (recompute mode: kept, so the clips act from the second step),
+the frozen reference's log-probs (``loss.kl_coef > 0``, learner/reference.py), the
+trained-token count of each mini-batch and AEPO's entropy statistics over the whole
+batch, all-reduced over the ranks in one call.
 
 Every rank runs the same number of forward/backward calls per step (empty micro-batches
 are padded with a one-token batch of zero weight) because ZeRO-3 gathers parameters
-collectively. The loss of each micro-batch is normalised by the model-token count of the
-whole step across all ranks, so micro-batching and world size do not change the
+collectively. The loss of each micro-batch is normalised by the model-token count of its
+mini-batch across all ranks, so micro-batching and world size do not change the
 gradient (token-mean aggregation, docs/design.md "The importance-corrected loss").
 
-``learner.packing``: ``padded`` collates a rank's leaves into ``micro_batches`` padded
-batches (learner/batching.py); ``tree`` and ``flat`` pack them (learner/packing.py) into
-as many micro-batches as ``max_tokens_per_microbatch`` needs (at least ``micro_batches``;
-the ranks agree on the largest count), run the model with the packed attention
-(learner/tree_attention.py) and take chunked log-probs (learner/logprobs.py). The
-optimizer steps once, at the last micro-batch (DeepSpeed's accumulation boundary is set
-by hand because the count varies from step to step).
+``learner.packing``: ``padded`` collates a rank's leaves of a mini-batch into
+``micro_batches`` padded batches (learner/batching.py); ``tree`` and ``flat`` pack them
+(learner/packing.py) into as many micro-batches as ``max_tokens_per_microbatch`` needs
+(at least ``micro_batches``; the ranks agree on the largest count), run the model with
+the packed attention (learner/tree_attention.py) and take chunked log-probs
+(learner/logprobs.py). The optimizer steps once per mini-batch, at its last micro-batch
+(DeepSpeed's accumulation boundary is set by hand because the count varies).
 """
-
 from __future__ import annotations
 
 import json
