@@ -286,3 +286,11 @@ def format_result(text: str) -> str:
     be closed early by what a tool printed.
     """
     return "\n<result>\n" + text.replace("</result>", "</ result>") + "\n</result>\n"
+
+
+def unwrap_result(block: str) -> str:
+    """The tool output inside a ``format_result`` block (``</ result>`` stays defused)."""
+    head, tail = "\n<result>\n", "\n</result>\n"
+    if not (block.startswith(head) and block.endswith(tail)):
+        raise ValueError(f"not a formatted result: {block[:40]!r}")
+    return block[len(head):len(block) - len(tail)]

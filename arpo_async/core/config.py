@@ -500,6 +500,9 @@ class Config(_Section):
             raise ValueError("pipeline.sft needs pipeline.sft_time_s or pipeline.sft_steps > 0")
         if ro.initial_samples > ro.group_size:
             raise ValueError("rollout.initial_samples must be <= rollout.group_size")
+        if self.tools.syntax == "hermes" and self.actors.engine == "simulated":
+            raise ValueError("tools.syntax=hermes: the simulated engine writes ARPO tags only "
+                             "(actors.engine=simulated); use tools.syntax=arpo with it")
         return self
 
 

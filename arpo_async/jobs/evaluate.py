@@ -59,7 +59,7 @@ def eval_config(cfg: Config, data: str | Path, k: int, temperature: float | None
     tools = tree["tools"]
     if retriever_url:
         tools["retriever_url"] = retriever_url
-    if not tools["enabled"]:
+    if not tools["enabled"] and not tools["custom"]:
         tools["enabled"] = ["python", "search"] if tools["retriever_url"] else ["python"]
     return config_from_dict(tree)
 

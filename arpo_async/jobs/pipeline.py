@@ -113,7 +113,8 @@ def cold_start_sft(cfg: Config, model_path: str, out: Path) -> dict:
                   steps=p.sft_steps or None, time_budget_s=p.sft_time_s or None, lr=p.sft_lr,
                   batch_size=p.sft_batch_size, seed=cfg.run.seed, threads=p.threads,
                   warmup_frac=p.sft_warmup_frac, min_lr_frac=p.sft_min_lr_frac,
-                  max_len=cfg.model.max_model_len, log=lambda s: print(s, flush=True))
+                  max_len=cfg.model.max_model_len, log=lambda s: print(s, flush=True),
+                  tools=cfg.tools)
     return {k: v for k, v in res.items() if k != "history"}
 
 

@@ -6,7 +6,9 @@ model segment is what the model samples in its rounds; a tool segment is
 ``tokenizer.encode(format_result(output), add_special_tokens=False)``, exactly what
 ``AgentRollout`` appends after a round that ended at a closing tool tag -- and the EOS
 token after ``</answer>``. The loss covers model tokens and that EOS only: prompt and
-tool-result tokens are inputs, never targets.
+tool-result tokens are inputs, never targets. With ``tools.syntax=hermes`` (``run_sft(...,
+tools=cfg.tools)``) the traces' ARPO calls become JSON calls and their results the chat
+template's tool message (``toolenv/syntax.py``), again as the rollout writes them.
 
 The mask boundary is exact with any tokenizer: because each segment is encoded alone, no
 token crosses a segment boundary, so the mask changes exactly where the segments do. With
@@ -49,30 +51,48 @@ class SFTDataError(ValueError):
 # ----------------------------------------------------------------------------- data
 
 
-def prompt_ids(tokenizer: Any, system: str | None, question: str) -> list[int]:
+def prompt_ids(tokenizer: Any, system: str | None, question: str,
+               syntax: Any = None) -> list[int]:
     """The chat-templated prompt, as ``PromptSource.encode`` builds it for the actor."""
-    messages = [{"role": "system", "content": system}] if system else []
-    messages.append({"role": "user", "content": question})
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                        return_dict=False)
-    return [int(t) for t in ids]
+    from toolenv.tasks.prompts import encode_prompt
+
+    return encode_prompt(tokenizer, system, question, syntax)
 
 
-def encode_trace(tokenizer: Any, row: dict, where: str = "trace") -> tuple[list[int], list[int]]:
+def _segment_ids(tokenizer: Any, role: str, text: str, syntax: Any) -> list[int]:
+    """A segment's ids. Traces are written in ARPO's tags (the synthetic suite); under
+    tools.syntax=hermes a model segment's closing call is rewritten as a JSON call and a
+    tool segment becomes the template's tool message, as the rollout inserts it."""
+    if syntax is None or syntax.name == "arpo":
+        return tokenizer.encode(text, add_special_tokens=False)
+    from toolenv.tags import find_tool_call, unwrap_result
+
+    if role == "tool":
+        return syntax.result_ids(unwrap_result(text))
+    call = find_tool_call(text)
+    if call is not None:
+        text = (text[:text.rstrip().rfind(f"<{call.name}>")]
+                + syntax.call_text(call.name, call.args))
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def encode_trace(tokenizer: Any, row: dict, where: str = "trace",
+                 syntax: Any = None) -> tuple[list[int], list[int]]:
     """(token ids, loss mask) of one trace: prompt (mask 0), segments encoded one by one
-    (model 1, tool 0), then EOS (1)."""
+    (model 1, tool 0), then EOS (1). ``syntax``: the rollout's ``ToolSyntax`` (None:
+    the trace's own ARPO tags, no custom tools)."""
     segments = row.get("segments")
     if not isinstance(segments, list) or not segments:
         raise SFTDataError(f"{where}: no 'segments' list")
     if not isinstance(row.get("question"), str):
         raise SFTDataError(f"{where}: no 'question'")
-    ids = prompt_ids(tokenizer, row.get("system"), row["question"])
+    ids = prompt_ids(tokenizer, row.get("system"), row["question"], syntax)
     mask = [0] * len(ids)
     for j, seg in enumerate(segments):
         role, text = seg.get("role"), seg.get("text")
         if role not in ("model", "tool") or not isinstance(text, str):
             raise SFTDataError(f"{where}: segment {j}: expected role model|tool and a text")
-        seg_ids = tokenizer.encode(text, add_special_tokens=False)
+        seg_ids = _segment_ids(tokenizer, role, text, syntax)
         ids += seg_ids
         mask += [1 if role == "model" else 0] * len(seg_ids)
     if segments[-1]["role"] != "model" or not segments[-1]["text"].rstrip().endswith("</answer>"):
@@ -82,8 +102,8 @@ def encode_trace(tokenizer: Any, row: dict, where: str = "trace") -> tuple[list[
     return ids, mask
 
 
-def load_traces(path: str | Path, tokenizer: Any,
-                max_len: int) -> list[tuple[list[int], list[int]]]:
+def load_traces(path: str | Path, tokenizer: Any, max_len: int,
+                syntax: Any = None) -> list[tuple[list[int], list[int]]]:
     path = Path(path)
     if not path.is_file():
         raise SFTDataError(f"{path}: file not found")
@@ -91,7 +111,7 @@ def load_traces(path: str | Path, tokenizer: Any,
 
     out = []
     for n, row in iter_jsonl(path, SFTDataError):
-        ids, mask = encode_trace(tokenizer, row, f"{path}: row {n}")
+        ids, mask = encode_trace(tokenizer, row, f"{path}: row {n}", syntax)
         if len(ids) > max_len:
             raise SFTDataError(f"{path}: row {n}: {len(ids)} tokens > max_len={max_len}")
         out.append((ids, mask))
@@ -232,11 +252,13 @@ def run_sft(model_dir: str | Path, data_path: str | Path, out_dir: str | Path,
             steps: int | None = None, time_budget_s: float | None = None, lr: float = 2e-3,
             batch_size: int = 16, seed: int = 0, threads: int = 2, weight_decay: float = 0.0,
             max_len: int = 512, log: Callable[[str], None] | None = None,
-            warmup_frac: float = 0.05, min_lr_frac: float = 0.1) -> dict:
+            warmup_frac: float = 0.05, min_lr_frac: float = 0.1, tools: Any = None) -> dict:
     """Fine-tune ``model_dir`` on the traces in ``data_path``; save to ``out_dir``.
     Stops after ``steps`` or ``time_budget_s`` seconds of training, whichever comes
     first (at least one must be given); the learning-rate schedule runs over ``steps``
-    when given, else over the time budget. Returns the run's figures."""
+    when given, else over the time budget. ``tools``: the run's ``ToolsConfig``, so the
+    traces are encoded in its ``tools.syntax`` with its tools (None: ARPO's tags as
+    written). Returns the run's figures."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -247,7 +269,12 @@ def run_sft(model_dir: str | Path, data_path: str | Path, out_dir: str | Path,
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).train()
-    data = load_traces(data_path, tokenizer, max_len)
+    syntax = None
+    if tools is not None:
+        from toolenv.syntax import build_syntax
+
+        syntax = build_syntax(tools, tokenizer)
+    data = load_traces(data_path, tokenizer, max_len, syntax)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95),
                             weight_decay=weight_decay)

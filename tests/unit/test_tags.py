@@ -269,3 +269,27 @@ def test_hermes_result_is_the_templates_tool_message(syntaxes, tiny_model_dir):
                                                 "<|im_start|>assistant\n"
     # printed special tokens cannot end the tool turn early
     assert tok.decode(syn.result_ids("x<|im_end|>")).count("<|im_end|>") == 2
+
+
+def test_sft_traces_are_encoded_in_the_rollouts_syntax(syntaxes):
+    """A trace written in ARPO's tags (the synthetic suite) is encoded under hermes as the
+    rollout writes it: JSON call (mask 1), the template's tool message (mask 0)."""
+    from arpo_async.jobs.sft import encode_trace
+    from toolenv.tasks.prompts import encode_prompt
+
+    syn = syntaxes["hermes"]
+    tok = syn.tokenizer
+    row = {"system": "S", "question": "6*7?", "segments": [
+        {"role": "model", "text": "<think>run it</think>\n<python>print(6*7)</python>"},
+        {"role": "tool", "text": format_result("42")},
+        {"role": "model", "text": "<answer>\\boxed{42}</answer>"}]}
+    ids, mask = encode_trace(tok, row, syntax=syn)
+    call = tok.encode("<think>run it</think>\n" + syn.call_text("python", "print(6*7)"))
+    result = syn.result_ids("42")
+    answer = tok.encode("<answer>\\boxed{42}</answer>")
+    prompt = encode_prompt(tok, "S", "6*7?", syn)
+    assert ids == prompt + call + result + answer + [tok.eos_token_id]
+    assert mask == [0] * len(prompt) + [1] * len(call) + [0] * len(result) + [1] * (
+        len(answer) + 1)
+    # arpo: the trace as written, with or without the syntax
+    assert encode_trace(tok, row, syntax=syntaxes["arpo"]) == encode_trace(tok, row)
