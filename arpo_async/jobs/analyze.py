@@ -118,7 +118,6 @@ async def sample_leaves(cfg: Config, data: Path, limit: int, k: int, corpus: Pat
     from arpo_async.jobs.evaluate import eval_config
     from toolenv.retriever_server import RetrieverProcess
     from toolenv.runner import build_tools
-    from toolenv.tags import find_tool_call
     from toolenv.tasks.prompts import PromptSource
     from toolenv.tasks.suite import SYSTEM_PROMPT
 
@@ -144,7 +143,8 @@ async def sample_leaves(cfg: Config, data: Path, limit: int, k: int, corpus: Pat
         for leaf in g.leaves:
             names = []
             for s, e in rounds_of(leaf.loss_mask):
-                call = find_tool_call(tok.decode(leaf.tokens[s:e], skip_special_tokens=False))
+                call = source.syntax.find_call(  # tools.syntax: arpo tags or hermes JSON
+                    tok.decode(leaf.tokens[s:e], skip_special_tokens=False))
                 names.append(call.name if call else None)
             out.append({"prompt": list(p.tokens), "tokens": leaf.tokens, "mask": leaf.loss_mask,
                         "tools": names})
