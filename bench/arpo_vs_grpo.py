@@ -25,6 +25,8 @@ accuracy_delta=<arpo - grpo pass@1> target=... met|missed``.
     python bench/arpo_vs_grpo.py [--run runs/default] [--seeds 0,1,2] [--budget-s 180]
         [--arms grpo,arpo,random,aepo] [--eval-limit 300] [--eval-k 2] [--lock FILE]
 
+Each arm's run folder is kept under ``--out``; run the same command again and the arms
+already finished there are read back, not run again (a half-done arm is run again).
 ``--run`` is a finished default job (``python -m arpo_async.launch``): its
 ``pipeline_config.yaml``, ``sft/`` model, data folder and SFT evaluation are reused.
 """
@@ -37,6 +39,7 @@ import fcntl
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -105,22 +108,42 @@ def run_arm(base, arm: str, seed: int, args, sft: str, url: str, out: Path,
     cfg = type(cfg).model_validate(cfg.model_dump())  # re-check the changed fields
     run_dir.mkdir(parents=True)
     t0 = time.time()
-    rl = run_rl(cfg, run_dir, sft, url, quiet=True)
+    run_rl(cfg, run_dir, sft, url, quiet=True)
     t_rl = time.time() - t0
-    ev = run_eval(cfg, rl["checkpoint"], url, run_dir / "eval")
+    from arpo_async.core.rundir import latest_checkpoint
+
+    run_eval(cfg, str(latest_checkpoint(run_dir)), url, run_dir / "eval")
+    timing = {"stage_s": round(t_rl, 1), "eval_s": round(time.time() - t0 - t_rl, 1),
+              "loadavg_1m_after": round(os.getloadavg()[0], 2)}
+    (run_dir / "bench_timing.json").write_text(json.dumps(timing))
+    return row_from_folder(run_dir, arm, seed)
+
+
+def row_from_folder(run_dir: Path, arm: str, seed: int) -> dict:
+    """An arm's figures from its finished run folder (so an interrupted bench resumes)."""
+    from arpo_async.core.config import load_config
+    from arpo_async.jobs.pipeline import rl_figures
+
+    cfg = load_config(run_dir / "config.yaml", [])
+    rl = rl_figures(run_dir)
+    ev = json.loads((run_dir / "eval" / "summary.json").read_text())
+    timing_path = run_dir / "bench_timing.json"
     row = {"arm": arm, "seed": seed, "accuracy": ev["pass@1"],
            "tool_calls_per_question": ev["tool_calls_per_sample"],
            "no_tool_share": ev.get("no_tool_share"),
            "executed_per_leaf": rl.get("tools_executed_per_leaf_mean"),
            "fork_rate": rl.get("fork_rate"), "p_outside_band_share": rl.get("p_outside_band_share"),
            "p_mean": rl.get("branch_p_mean_mean"), "steps": rl.get("steps"),
-           "rl_wall_s": rl.get("rl_wall_s"), "stage_s": round(t_rl, 1),
-           "eval_s": round(time.time() - t0 - t_rl, 1), "alpha": cfg.rollout.alpha,
-           "beta": cfg.rollout.beta, "loadavg_1m_after": round(os.getloadavg()[0], 2),
-           "run_dir": str(run_dir)}
+           "rl_wall_s": rl.get("rl_wall_s"), "alpha": cfg.rollout.alpha,
+           "beta": cfg.rollout.beta, "run_dir": str(run_dir),
+           **(json.loads(timing_path.read_text()) if timing_path.is_file() else {})}
     if arm == "arpo":
         row["decision_weighted_p"] = decision_weighted_p(run_dir)
     return row
+
+
+def finished(run_dir: Path) -> bool:
+    return (run_dir / "eval" / "summary.json").is_file()
 
 
 def mean_se(values: list[float]) -> tuple[float, float]:
@@ -205,9 +228,7 @@ def main() -> int:
     sft_eval = src / "eval" / "sft" / "summary.json"
     sft_acc = json.loads(sft_eval.read_text())["pass@1"] if sft_eval.is_file() else None
     out = Path(args.out)
-    if out.exists() and any(out.iterdir()):
-        raise SystemExit(f"--out {out} is not empty; remove it or choose another folder")
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)  # arms already finished there are kept
     rows: list[dict] = []
     t0 = time.time()
     total = len(seeds) * len(arms)
@@ -219,16 +240,32 @@ def main() -> int:
                 order.insert(order.index("arpo") + 1, "random")
             alpha = None
             for arm in order:
-                print(f"[{len(rows) + 1}/{total}] seed {seed} {arm} "
-                      f"({time.time() - t0:.0f} s so far)", flush=True)
-                with exclusive(args.lock):
-                    row = run_arm(base, arm, seed, args, str(sft), retriever.url, out, alpha)
+                run_dir = out / f"{arm}-seed{seed}"
+                if finished(run_dir):
+                    row = row_from_folder(run_dir, arm, seed)
+                    print(f"[{len(rows) + 1}/{total}] seed {seed} {arm}: finished before, "
+                          f"kept ({run_dir})", flush=True)
+                else:
+                    print(f"[{len(rows) + 1}/{total}] seed {seed} {arm} "
+                          f"({time.time() - t0:.0f} s so far)", flush=True)
+                    for attempt in (1, 2):
+                        shutil.rmtree(run_dir, ignore_errors=True)  # a half-done arm
+                        try:
+                            with exclusive(args.lock):
+                                row = run_arm(base, arm, seed, args, str(sft), retriever.url,
+                                              out, alpha)
+                            break
+                        except RuntimeError as exc:  # e.g. no step inside the budget
+                            print(f"    attempt {attempt} failed: {exc}", flush=True)
+                            if attempt == 2:
+                                raise
                 if arm == "arpo":
                     alpha = round(row["decision_weighted_p"], 4)
                 rows.append(row)
                 print(f"    acc {row['accuracy']:.3f}  tool calls/leaf "
                       f"{row['executed_per_leaf']}  fork rate {row['fork_rate']}  "
-                      f"steps {row['steps']}  ({row['stage_s']} + {row['eval_s']} s)", flush=True)
+                      f"steps {row['steps']}  ({row.get('stage_s')} + {row.get('eval_s')} s)",
+                      flush=True)
     summary = summarize(rows)
     print(f"\nheld-out after SFT: {sft_acc}; RL budget {args.budget_s:.0f} s per arm, "
           f"seeds {seeds}")
