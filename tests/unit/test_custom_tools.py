@@ -158,3 +158,60 @@ def test_a_custom_tool_gets_its_tag_and_its_schema(tiny_model_dir):
                             '{"expression": "2+3"}}</tool_call>')
     assert (call.name, call.args, call.error) == ("calculator", "2+3", "")
     assert '"name": "calculator"' in hermes.prompt("S")[0]
+
+
+class _Scripted:
+    """An engine that calls the calculator, then answers with what the result said."""
+
+    version = 0
+
+    def __init__(self, syn):
+        self.syn, self.tok = syn, syn.tokenizer
+        self.prompt_len = None  # the first request is the bare prompt
+
+    async def generate(self, req):
+        from actors.engines.base import GenResult
+
+        self.prompt_len = self.prompt_len or len(req.prompt_tokens)
+        if len(req.prompt_tokens) == self.prompt_len:
+            reply = self.syn.call_text("calculator", "2*(3+4)")
+        else:  # answer with the first number the tool result holds
+            after = self.tok.decode(req.prompt_tokens[self.prompt_len:])
+            number = after.split(self.syn.markup.result[0], 1)[1].strip().split("<")[0]
+            reply = "<answer>\\boxed{" + number.strip() + "}</answer>"
+        ids = self.tok.encode(reply, add_special_tokens=False)
+        stop = next(s for s in self.syn.stop_strings if reply.endswith(s))
+        return GenResult(ids, [0.0] * len(ids), [[0.0]] * len(ids), "stop", stop_reason=stop)
+
+    async def close(self):
+        pass
+
+
+@pytest.mark.parametrize("syntax", ["arpo", "hermes"])
+async def test_evaluation_with_a_custom_tool_in_both_syntaxes(tiny_model_dir, tmp_path,
+                                                              monkeypatch, syntax):
+    """jobs/evaluate.py end to end (prompts, rollout, runner, scoring, summary) with a
+    scripted engine: the calculator is called once per sample, its result read, and both
+    syntaxes score and count alike."""
+    import json
+
+    from arpo_async.jobs import evaluate as ev
+
+    data = tmp_path / "q.jsonl"
+    data.write_text(json.dumps({"id": 0, "question": "What is 2*(3+4)?", "answer": "14",
+                               "ability": "math"}) + "\n")
+
+    async def scripted(cfg, model_path, tokenizer, endpoint):
+        from toolenv.syntax import build_syntax
+
+        return _Scripted(build_syntax(cfg.tools, tokenizer))
+
+    monkeypatch.setattr(ev, "_make_engine", scripted)
+    cfg = load_config(SPINE, [f"model.path={tiny_model_dir}", f"tools.custom=[{CALC}]",
+                              f"tools.syntax={syntax}", "model.max_model_len=1024"])
+    summary = await ev.evaluate_async(cfg, data, k=2, out_dir=tmp_path / "out")
+    assert (summary["pass@1"], summary["format_ok"], summary["tool_calls_per_sample"]) == (
+        1.0, 1.0, 1.0)
+    assert summary["tools"]["calculator.calls"] == 2 and summary["tools"]["errors"] == 0
+    items = [json.loads(line) for line in (tmp_path / "out" / "items.jsonl").open()]
+    assert all("14" in r for r in items[0]["responses"])
