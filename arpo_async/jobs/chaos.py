@@ -26,9 +26,10 @@ alive, is drawn again):
   after ``RETRIEVER_DOWN_S`` (meanwhile search calls fail and are counted);
 - ``sandbox_kill``: SIGKILL of one of the actors' bubblewrap sandboxes (warm or running);
 - ``cache_full``: the tool cache cannot grow for a while: each actor's soft RLIMIT_FSIZE
-  is lowered to the size of the cache's largest database file (unprivileged; no tmpfs
-  is needed), so inserts fail with EFBIG as on a full disk, then restored. Everything
-  else the actor appends to past that size (its log) fails too, as on a full disk;
+  is lowered to the size of the cache's database file (unprivileged; no tmpfs is
+  needed), so inserts fail with EFBIG as on a full disk, then restored (on the actor and
+  what it started meanwhile). Everything else the actor writes past that size (its log,
+  the weight file in /dev/shm) fails too, as on a full disk;
 - ``frames``: 200 fuzzed frame lists at the trajectory socket and 50 garbage requests
   at the control socket;
 - ``slow_tool``: the proxy holds every new retriever connection 1.5 x
