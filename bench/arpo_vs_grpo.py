@@ -11,8 +11,11 @@ then the held-out evaluation of its last checkpoint, exactly as the default job 
   but placed by chance. This is the ablation that isolates the entropy signal;
 - ``aepo``: AEPO (dynamic budget split, branch penalty).
 
-Every arm runs once per seed (``run.seed``: the actors' sampling and branching), in an
-order rotated per seed so that slow drift of the shared machine does not favour one arm.
+The budget (``--budget-s``) counts from the end of each run's first learner step
+(``run.time_limit_from=first_step``): how long the engines take to start depends on the
+shared machine's load and is not training time. Every arm runs once per seed
+(``run.seed``: the actors' sampling and branching), in an order rotated per seed so that
+slow drift of the shared machine does not favour one arm.
 With ``--lock FILE`` each arm holds an exclusive ``flock`` on FILE while it runs, so other
 heavy jobs that take the same lock do not share its budget.
 
@@ -98,6 +101,7 @@ def run_arm(base, arm: str, seed: int, args, sft: str, url: str, out: Path,
     cfg = base.model_copy(deep=True)
     run_dir = out / f"{arm}-seed{seed}"
     overrides = {"run.seed": seed, "run.time_limit_s": args.budget_s,
+                 "run.time_limit_from": "first_step",  # start-up, load-dependent, not counted
                  "learner.max_steps": 100000, "pipeline.eval_limit": args.eval_limit,
                  "pipeline.eval_k": args.eval_k, "metrics.wandb": False,
                  **arm_overrides(arm, random_alpha)}

@@ -128,6 +128,7 @@ class LearnerLoop:
         self.step = self.first_step = meta.get("step", 0)
         self.restarts = meta.get("learner_restarts", 0) + 1 if self.meta else 0
         self.t_start = time.time() - meta.get("wall_time", 0.0)
+        self.t_first_step: float | None = None  # end of this process's first step
         self.broadcast_s = 0.0
         self.state: dict | None = None
 
@@ -154,6 +155,8 @@ class LearnerLoop:
             self.record(groups, stats, train, {
                 "wait_s": wait_s, "step_time_s": time.perf_counter() - t0,
                 "broadcast_time_s": self.broadcast_s, "checkpoint_time_s": checkpoint_s})
+            if self.t_first_step is None:
+                self.t_first_step = time.time()
         every = self.cfg.learner.checkpoint_every
         if every and self.step % every and self.first_step < self.step < self.cfg.learner.max_steps:
             self.checkpoint()  # the time limit ended the run between checkpoints: keep it too
@@ -251,7 +254,11 @@ class LearnerLoop:
     # ------------------------------------------------------------------ helpers
     def time_up(self) -> bool:
         limit = self.cfg.run.time_limit_s
-        return limit > 0 and time.time() - self.t_start > limit
+        if limit <= 0:
+            return False
+        if self.cfg.run.time_limit_from == "first_step":
+            return self.t_first_step is not None and time.time() - self.t_first_step > limit
+        return time.time() - self.t_start > limit
 
     def _due(self, every: int) -> bool:
         """Every ``every`` steps (0: never) and at the last step."""

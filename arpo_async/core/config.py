@@ -45,6 +45,10 @@ class RunConfig(_Section):
     seed: int = Field(0, description="seed for every generator in the run")
     quiet: bool = Field(False, description="plain log lines instead of the live progress panel")
     time_limit_s: float = Field(0.0, description="stop the RL stage after this many seconds (0: none)")
+    time_limit_from: Literal["start", "first_step"] = Field(
+        "start", description="when run.time_limit_s starts counting: at the learner's start, or "
+        "once this learner's first step is done (start-up, whose length depends on the "
+        "machine's load, then costs no training time: for comparing runs)")
     probe_logprobs: bool = Field(
         False, description="log actor and learner log-probs of a fixed sequence per weight version"
     )
