@@ -186,8 +186,9 @@ class HermesSyntax(_Checks):
         """The template's text from the end of the assistant's call to the next assistant
         header, around the tool's output (special tokens in the output defused, as
         arpo's ``</ result>``: printed text cannot end the turn)."""
-        for bad in self._defuse:
-            text = text.replace(bad, bad[:1] + " " + bad[1:])
+        for bad in self._defuse:  # "</tag>" -> "</ tag>", "<|im_end|>" -> "< |im_end|>"
+            cut = 2 if bad.startswith("</") else 1
+            text = text.replace(bad, bad[:cut] + " " + bad[cut:])
         return self._turn(text)
 
     def result_ids(self, text: str) -> list[int]:

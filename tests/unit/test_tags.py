@@ -293,3 +293,55 @@ def test_sft_traces_are_encoded_in_the_rollouts_syntax(syntaxes):
         len(answer) + 1)
     # arpo: the trace as written, with or without the syntax
     assert encode_trace(tok, row, syntax=syntaxes["arpo"]) == encode_trace(tok, row)
+
+
+# Qwen2.5's tool handling, condensed: tools= rendered into the system turn, tool results as
+# a user turn of <tool_response> blocks (the real template also renders tool_calls fields).
+QWEN_TOOLS_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}"
+    "{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}"
+    "{{- '\\n\\n# Tools\\n\\n<tools>' }}{%- for tool in tools %}{{- '\\n' }}"
+    "{{- tool | tojson }}{%- endfor %}{{- '\\n</tools><|im_end|>\\n' }}"
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif message['role'] != 'system' %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_hermes_with_a_template_that_renders_tools(syntaxes):
+    """A Qwen-shaped template: the schemas go through tools=, the result is the user turn
+    of <tool_response>, and prompt + call + result ids are still the template's own."""
+    import copy
+
+    from toolenv.syntax import HermesSyntax
+    from toolenv.tasks.prompts import encode_prompt
+
+    tok = copy.deepcopy(syntaxes["hermes"].tokenizer)
+    tok.chat_template = QWEN_TOOLS_TEMPLATE
+    syn = HermesSyntax(syntaxes["hermes"].specs.values(), tok)
+    system, tools = syn.prompt("Be brief.")
+    assert syn.template_renders_tools and system == "Be brief." and len(tools) == 2
+    assert syn.result_text("42") == ("<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n"
+                                     "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert "</ tool_response>" in syn.result_text("a</tool_response>b")  # defused
+    call = syn.call_text("python", "print(6*7)")
+    ours = encode_prompt(tok, "Be brief.", "6*7?", syn) + tok.encode(call) + syn.result_ids("42")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "6*7?"},
+                {"role": "assistant", "content": call}, {"role": "tool", "content": "42"}]
+    assert ours == list(tok.apply_chat_template(messages, tools=tools, tokenize=True,
+                                                add_generation_prompt=True, return_dict=False))
+    assert '"name": "search"' in tok.decode(ours)
+    text = _response(syn, CALLS)
+    assert syn.validate_format(text) == (True, "ok") and syn.tools_used(text) == {
+        "python", "search"}
