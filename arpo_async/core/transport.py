@@ -387,8 +387,11 @@ class ControlClient:
         self._ids = itertools.count(1)
         self._pending: dict[bytes, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
+        self._monitor: zmq.Socket | None = None
         self.requests = 0
         self.timeouts = 0
+        self.disconnects = 0  # the connection dropped (the learner died): pending requests failed
         self.late_replies = 0  # replies to requests that had already timed out
         self.malformed: Counter = Counter()  # ProtocolError reason -> replies
 
@@ -399,12 +402,19 @@ class ControlClient:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         if self._reader is None or self._reader.done():
             self._reader = asyncio.get_running_loop().create_task(self._read_replies())
+        if self._watcher is None or self._watcher.done():
+            if self._monitor is None:
+                self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._watcher = asyncio.get_running_loop().create_task(self._watch_connection())
         req_id = _REQ_ID.pack(next(self._ids))
         fut = asyncio.get_running_loop().create_future()
         self._pending[req_id] = fut
         self.requests += 1
         try:
             return await asyncio.wait_for(self._exchange([req_id, *encode(msg)], fut), timeout)
+        except TransportTimeout:  # the connection dropped (_watch_connection)
+            self.timeouts += 1
+            raise
         except asyncio.TimeoutError:
             self.timeouts += 1
             raise TransportTimeout(f"no reply to {msg.KIND} from {self.endpoint} within "
@@ -439,6 +449,27 @@ class ControlClient:
             if not self._sock.closed:
                 log.exception("control client reader stopped")
 
+    async def _watch_connection(self) -> None:
+        """A dropped connection (the learner process died; a frozen one keeps it) fails
+        every pending request at once with TransportTimeout: its reply will never come,
+        and the caller's retry reaches the restarted learner. Waiting for ``timeout_s``
+        instead kept every slot of every actor idle that long after each learner restart
+        (chaos soak, issue 17)."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        try:
+            while True:
+                event = parse_monitor_message(await self._monitor.recv_multipart())
+                if event["event"] != zmq.EVENT_DISCONNECTED:
+                    continue
+                self.disconnects += 1
+                for fut in list(self._pending.values()):
+                    if not fut.done():
+                        fut.set_exception(TransportTimeout(
+                            f"connection to {self.endpoint} lost before the reply"))
+        except (asyncio.CancelledError, zmq.ZMQError):
+            pass
+
     async def hello(self, hello: Hello, timeout_s: float | None = None) -> Ack:
         """The handshake: the learner answers with an Ack (check ``ok``)."""
         reply = await self.request(hello, timeout_s)
@@ -459,9 +490,14 @@ class ControlClient:
         raise ProtocolError("refused", f"weights request: {detail}")
 
     def close(self) -> None:
-        reader = self._reader
-        if reader is not None and not reader.done() and not reader.get_loop().is_closed():
-            reader.cancel()
+        for task in (self._reader, self._watcher):
+            if task is not None and not task.done() and not task.get_loop().is_closed():
+                task.cancel()
+        if self._monitor is not None:  # before term(), which waits for every socket
+            if not self._sock.closed:
+                self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
         if not self._sock.closed:
             self._sock.close(linger=0)
             self._ctx.term()

@@ -130,3 +130,35 @@ def test_a_tool_cache_locked_by_a_stopped_process_does_not_freeze_the_caller(tmp
     assert result.ok and result.text == "x = 1"
     assert stats["cache_store_errors"] == 1 and cache.counter_skips >= 1
     cache.close()
+
+
+async def test_a_request_to_a_learner_that_died_fails_at_once_not_after_the_timeout():
+    """Soak finding: after each learner kill, every actor request in flight to the dead
+    process waited transport.timeout_s (30 s) for a reply that could not come ("no answer
+    to ticket_request for 30 s" while the restarted learner was up), so every slot idled
+    that long. A dropped connection now fails the pending requests at once (the caller
+    retries, reaches the new learner and says Hello)."""
+    import asyncio
+    import time
+
+    import zmq
+    import zmq.asyncio
+
+    from arpo_async.core.transport import ControlClient, TransportTimeout
+
+    ctx = zmq.asyncio.Context()
+    server = ctx.socket(zmq.ROUTER)
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+    client = ControlClient(f"tcp://127.0.0.1:{port}", timeout_s=20)
+    try:
+        task = asyncio.ensure_future(client.request(P.Heartbeat(0, 0, {})))
+        await asyncio.wait_for(server.recv_multipart(), 10)  # arrived; never answered
+        server.close(linger=0)  # the learner process dies: its connections close
+        t0 = time.monotonic()
+        with pytest.raises(TransportTimeout):
+            await asyncio.wait_for(task, 15)
+        assert time.monotonic() - t0 < 5, "waited for the request timeout"
+        assert client.disconnects >= 1
+    finally:
+        client.close()
+        ctx.term()
