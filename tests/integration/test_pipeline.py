@@ -2,7 +2,13 @@
 synthetic suite built with the sandboxed Python tool and the BM25 index, SFT, vLLM
 evaluation with a live retriever, the async RL stage (DeepSpeed learner, vLLM actor over
 ZeroMQ), evaluation of the RL checkpoint, summary and plots; then a resume that reruns
-only the stage that is missing."""
+only the stage that is missing.
+
+The model stage builds the tiny model with a tokenizer like a real one
+(``model.tiny_tags_as_text``: no ARPO tag is a token, tags merge with their neighbours),
+so this is also the acceptance run of issue 16: stop strings, results after partial tags,
+SFT masks and evaluation parsing on multi-token tags, with tools used after SFT. The
+single-token tag path runs end to end in test_spine.py and test_sft_eval.py."""
 
 from __future__ import annotations
 
@@ -17,11 +23,14 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 HELDOUT = 12
 SMALL = ["pipeline.suite_entities=60", "pipeline.suite_sft=48", "pipeline.suite_rl=40",
-         f"pipeline.suite_heldout={HELDOUT}", "pipeline.sft_time_s=0", "pipeline.sft_steps=60",
+         f"pipeline.suite_heldout={HELDOUT}", "pipeline.sft_time_s=0",
+         # with tags as text (several tokens each), 60 steps gave 0.07 tool calls per
+         # held-out sample (k=8), 120 steps 0.96: tool use after SFT, not by luck
+         "pipeline.sft_steps=120",
          "pipeline.eval_k=1", "pipeline.eval_limit=0", "actors.num=1", "learner.max_steps=3",
          "run.time_limit_s=0", "learner.checkpoint_every=2", "learner.batch_groups=1",
          "rollout.group_size=4", "rollout.initial_samples=2", "sampling.max_response_tokens=160",
-         # every trace uses its tools: 60 steps on the default's 40% answering from memory
+         # every trace uses its tools: a short SFT on the default's 40% answering from memory
          # teach only that, and this test checks the tool path end to end
          "pipeline.suite_direct=0",
          # W&B beside TensorBoard, offline (no API key here): steps, config, plots
@@ -35,10 +44,10 @@ def _launch(*args: str, timeout: float = 540) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, tiny_model_dir):
+def finished_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipe")
     run_dir, data = root / "run", root / "data"
-    res = _launch(f"run.dir={run_dir}", f"model.path={tiny_model_dir}",
+    res = _launch(f"run.dir={run_dir}", f"model.path={root}/model", "model.tiny_tags_as_text=true",
                   f"pipeline.data_dir={data}", f"task.data={data}/rl.jsonl", *SMALL)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return run_dir, data, res.stdout
@@ -52,6 +61,12 @@ def test_default_job_runs_every_stage(finished_run):
     for key in ("accuracy_after_sft", "accuracy_after_rl"):
         assert 0.0 <= summary[key] <= 1.0, summary
     assert summary["heldout_size"] == HELDOUT and summary["status"] == "ok"
+    # the model stage built a tokenizer without tag tokens, and SFT taught it the tools
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(state["stages"]["model"]["path"])
+    assert len(tok.encode("</python>", add_special_tokens=False)) > 1
+    assert summary["tool_calls_per_question_after_sft"] > 0, summary
     assert summary["wall_time_s"] > 0 and summary["steps"] == 3
     assert summary["rl"]["steps"] == 3 and summary["rl"]["checkpoint"].endswith("step-00000003")
     # the held-out prompts were answered with tools, against the live retriever
@@ -70,6 +85,10 @@ def test_default_job_runs_every_stage(finished_run):
 
     rows = read_metrics(run_dir)
     assert rows and all(set(KEYS) <= set(r) for r in rows), rows[-1]
+    # step 1 trains on version-0 tokens with version-0 weights and proximal=bypass, so
+    # r = exp(learner log-prob - actor log-prob): the ids the learner trains on are the
+    # ones the behaviour log-probs belong to (a shift by one token gives r far from 1)
+    assert rows[0]["loss/ratio_max"] < 1.001 and rows[0]["loss/approx_kl"] < 1e-5, rows[0]
     assert summary["rl"]["branch_decisions"] == sum(r["branch/decisions"] for r in rows)
     assert 0.0 <= summary["rl"]["fork_rate"] <= 1.0
     assert 0.0 <= summary["rl"]["p_outside_band_share"] <= 1.0
