@@ -114,6 +114,14 @@ async def test_a_tool_call_ending_inside_a_merged_token(tags_as_text_model_dir, 
     try:
         rollout = AgentRollout(cfg, engine, source, tok, tools, np.random.default_rng(3))
         group = await rollout.run(prompt, actor_id=0)
+        # what vLLM itself does (the engine returns only ids): text cut at the stop
+        # string, the token that completed it kept whole
+        from vllm import SamplingParams
+
+        out = (await engine._run(prompt.tokens, SamplingParams(
+            max_tokens=48, stop=["</python>"], include_stop_str_in_output=True, seed=0))).outputs[0]
+        assert out.stop_reason == "</python>" and out.text.endswith("</python>")
+        assert tok.decode(out.token_ids) == out.text + "\n"
     finally:
         await engine.close()
         await tools.close()
