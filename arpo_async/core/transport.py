@@ -53,6 +53,7 @@ from arpo_async.core.protocol import (
 log = logging.getLogger(__name__)
 
 _REQ_ID = struct.Struct(">Q")
+_DROP_GRACE_S = 1.0  # after a dropped connection, pending requests fail after this long
 _POLL_MS = 100  # how often the server thread looks at its stop flag
 # libzmq itself drops a connection whose single frame exceeds this multiple of max_bytes
 # (memory protection); frames between 1x and 2x still arrive and are counted "too_large".
@@ -451,10 +452,10 @@ class ControlClient:
 
     async def _watch_connection(self) -> None:
         """A dropped connection (the learner process died; a frozen one keeps it) fails
-        every pending request at once with TransportTimeout: its reply will never come,
-        and the caller's retry reaches the restarted learner. Waiting for ``timeout_s``
-        instead kept every slot of every actor idle that long after each learner restart
-        (chaos soak, issue 17)."""
+        the requests pending then, ``_DROP_GRACE_S`` later, with TransportTimeout: a reply
+        from the dead learner will never come, and the caller's retry (then its Hello)
+        reaches the restarted learner. Waiting for ``timeout_s`` instead kept every slot
+        of every actor idle that long after each learner restart (chaos soak, issue 17)."""
         from zmq.utils.monitor import parse_monitor_message
 
         try:
@@ -463,7 +464,11 @@ class ControlClient:
                 if event["event"] != zmq.EVENT_DISCONNECTED:
                     continue
                 self.disconnects += 1
-                for fut in list(self._pending.values()):
+                # a request still queued (sent after the drop) reaches a learner back
+                # within the grace; what is pending after it went to the dead one
+                waiting = [f for f in self._pending.values() if not f.done()]
+                await asyncio.sleep(_DROP_GRACE_S)
+                for fut in waiting:
                     if not fut.done():
                         fut.set_exception(TransportTimeout(
                             f"connection to {self.endpoint} lost before the reply"))
