@@ -336,6 +336,9 @@ class Soak:
             self.log("hang", "launcher", waited_s=self.args.grace_s)
             self.kill_everything()
             return None
+        while self.retriever_dead_at is not None:  # killed just before the end: back too
+            self.tick()
+            time.sleep(0.2)
         return self.launcher.returncode
 
     def kill_everything(self) -> None:
