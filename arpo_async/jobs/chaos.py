@@ -11,7 +11,8 @@ retriever over the synthetic suite's corpus, from the tiny model after ``--sft-s
 of cold-start SFT (so that it calls tools; 0: the untrained tiny model). The soak
 starts the retriever itself, on a fixed port behind a delaying proxy (``tools.
 retriever_url`` points at the proxy), and the launcher in its own session. From the
-first learner step until ``--duration-s`` (also ``run.time_limit_s``, learner time) it
+first learner step for ``--duration-s`` (``run.time_limit_s``, learner time, is that
+plus ``--startup-s``: the learner's clock starts before the actors are up) it
 injects a fault every ``--fault-every-s`` on average (uniform 0.5x-1.5x), of a kind drawn
 from ``--faults`` with ``random.Random(--seed)`` (a kind with no target, e.g. no sandbox
 alive, is drawn again):
@@ -106,7 +107,10 @@ class Soak:
         from arpo_async.core.config import ConfigError, load_config
 
         self.args, self.kinds = args, kinds
-        self.overrides = DEFAULTS + [f"run.time_limit_s={args.duration_s}"] + args.overrides
+        # the learner's clock starts before the actors are up (minutes on a busy machine):
+        # its limit covers the start-up too, else a slow start ends the run at step 0
+        limit = args.duration_s + args.startup_s
+        self.overrides = DEFAULTS + [f"run.time_limit_s={limit}"] + args.overrides
         try:
             self.cfg = load_config(args.config, self.overrides)
         except ConfigError as exc:

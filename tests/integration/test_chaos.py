@@ -27,9 +27,9 @@ SMALL_RUN = ["rollout.mode=grpo", "rollout.group_size=4", "sampling.max_new_toke
 
 def test_a_short_chaos_run_passes_its_verdict(tiny_model_dir, tmp_path):
     run_dir, data = tmp_path / "run", tmp_path / "data"
-    cmd = [PY, "-m", "arpo_async.experiments", "chaos", "--duration-s", "70",
+    cmd = [PY, "-m", "arpo_async.experiments", "chaos", "--duration-s", "60",
            "--fault-every-s", "20", "--seed", "7", "--faults", FAULTS, "--sft-steps", "0",
-           "--startup-s", "45", "--grace-s", "120", f"run.dir={run_dir}",
+           "--startup-s", "40", "--grace-s", "120", f"run.dir={run_dir}",
            f"model.path={tiny_model_dir}", f"pipeline.data_dir={data}",
            f"task.data={data}/rl.jsonl", *SMALL_RUN]
     t0 = time.monotonic()
