@@ -56,7 +56,8 @@ def _jsonl(path: Path) -> list[dict]:
 
 def check_finished(run_dir: Path, launcher_rc: int | None) -> dict:
     summary, learner = _read(run_dir / "summary.json"), _read(run_dir / "learner_summary.json")
-    ok = launcher_rc == 0 and summary.get("status") == "ok" and bool(learner)
+    ok = launcher_rc == 0 and summary.get("status") == "ok" and bool(learner) \
+        and summary.get("steps", 0) > 0
     return {"ok": ok, "value": f"{summary.get('steps', 0)} steps, status "
             f"{summary.get('status', 'none')}, launcher rc {launcher_rc}",
             "steps": summary.get("steps", 0)}
