@@ -9,6 +9,9 @@
    importance correction with recomputed proximal log-probs, bypass (behaviour log-probs as
    proximal, no extra forward), and plain PPO (bypass and no IS weight).
 
+The last line is ``RESULT algorithms tool_calls_ratio=<arpo / grpo executed tool calls per
+leaf> target=0.6 met|missed`` (met when the ratio is at most 0.6).
+
     python bench/algorithms.py [--prompts 6] [--group-size 16] [--initial 8] [--alpha 0.5]
 """
 
@@ -137,6 +140,9 @@ def main() -> None:
           + f"; recompute/bypass {times['recompute_over_bypass']:.2f}")
     write_results("algorithms", {"args": vars(args), "tool_calls": calls,
                                  "learner": times}, args.out)
+    ratio = calls["ratio_arpo_over_grpo"]
+    print(f"RESULT algorithms tool_calls_ratio={ratio:.3f} target=0.6 "
+          f"{'met' if ratio <= 0.6 else 'missed'}")
 
 
 if __name__ == "__main__":

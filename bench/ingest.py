@@ -13,6 +13,11 @@ bench/results/ingest.json.
    whether any message is lost (every actor's sent == received == trained + dropped) and
    how often the learner waits for data (steps that waited > 50 ms, and the fraction of
    the run spent waiting).
+
+The last line is ``RESULT ingest lost_groups=<n> groups_per_s=<ingest rate> target=0
+met|missed``: ``lost_groups`` sums, over the simulated actors, |sent - received| +
+|received - trained - dropped| (an actor that never said Bye has sent = -1, so it counts
+too); met when it is 0 and all of them connected. The rate has no target.
 """
 
 from __future__ import annotations
@@ -147,6 +152,9 @@ def many_actors(actors: int, steps: int, model: str, run_dir: str) -> dict:
             "sent": sum(led["sent"] for led in ledger.values()),
             "received": sum(led["received"] for led in ledger.values()),
             "trained": sum(led["trained"] for led in ledger.values()), "lost": lost,
+            "lost_groups": sum(abs(led["sent"] - led["received"]) + abs(
+                led["received"] - led["trained"] - sum(led["dropped"].values()))
+                for led in ledger.values()),
             "steps_waiting_gt_50ms": sum(w > 0.05 for w in waits), "steps_measured": len(waits),
             "learner_wait_frac": row["learner_wait_frac"],
             "learner_busy_frac": row["learner_busy_frac"],
@@ -184,6 +192,10 @@ def main(argv: list[str] | None = None) -> dict:
           f"accounts; learner waited > 50 ms on {m['steps_waiting_gt_50ms']} of "
           f"{m['steps_measured']} steps ({100 * m['learner_wait_frac']:.1f}% of the time)")
     write_results("ingest", out, a.out)
+    met = m["lost_groups"] == 0 and m["connected"] == m["actors"]
+    print(f"RESULT ingest lost_groups={m['lost_groups']} "
+          f"groups_per_s={out['rate']['groups_per_s']:.0f} target=0 "
+          f"{'met' if met else 'missed'}")
     return out
 
 

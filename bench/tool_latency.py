@@ -14,6 +14,9 @@ So the ratio is measured at each ``--slots`` (``actors.concurrent_groups``) valu
 alternate (0 ms, 200 ms, 0 ms, ...) to share the machine's noise; medians are reported.
 The model is the tool-calling tiny model of bench/common.py (about one call every two
 rounds of ~26 tokens).
+
+The last line is ``RESULT tool_latency ratio=<median ratio at the best slot count>
+slots=<that count> target=0.8 met|missed`` (met when that ratio is at least 0.8).
 """
 
 from __future__ import annotations
@@ -88,6 +91,10 @@ def main(argv: list[str] | None = None) -> dict:
               f"tool / with a 0 ms tool = {r['ratio_median']:.2f} (median of {ratios}; "
               f"target >= 0.8)")
     write_results("tool_latency", out, args.out)
+    best = max(out["by_slots"], key=lambda r: r["ratio_median"])
+    x = best["ratio_median"]
+    print(f"RESULT tool_latency ratio={x:.2f} slots={best['slots']} target=0.8 "
+          f"{'met' if x >= 0.8 else 'missed'}")
     return out
 
 
