@@ -35,6 +35,7 @@ async def build_engine(
             tensor_parallel=cfg.actors.tensor_parallel,
             enable_prefix_caching=cfg.actors.enable_prefix_caching, version=version,
             weight_transfer="nccl" if cfg.learner.weight_sync == "nccl" else None,
+            update_mode=cfg.actors.update_mode,
         )
     if kind == "transformers":
         from actors.engines.hf_engine import HFEngine
@@ -42,6 +43,7 @@ async def build_engine(
         return await HFEngine.create(
             model_path, dtype=cfg.model.dtype, seed=seed, threads=cfg.actors.threads,
             version=version, max_model_len=cfg.model.max_model_len,
+            update_mode=cfg.actors.update_mode,
         )
     if kind == "simulated":
         from actors.engines.sim_engine import SimulatedEngine

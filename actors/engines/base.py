@@ -5,6 +5,14 @@ vLLM (default; the async engine, so many
 rollouts share one batch), transformers (machines without vLLM), or a simulated engine
 (throughput experiments). Token in, token out: a request is a list of token ids and the
 result is the sampled ids with their behaviour log-probs, so nothing is re-tokenised.
+
+Weight updates (``actors.update_mode``): ``drain`` holds new calls and waits for the calls
+in flight to end before it loads; ``interrupt`` stops the calls in flight at a token
+boundary, loads, and lets them continue under the new weights. An interrupted call keeps
+every token it sampled, each with the version and log-prob it was sampled with
+(``GenResult.versions``), and resumes from prompt + those tokens, recomputed under the new
+weights: so its new-version tokens are exactly what the new policy samples from that
+context (no stale KV cache), which is what the learner recomputes.
 """
 
 from __future__ import annotations
@@ -33,6 +41,13 @@ class GenRequest:
     stop: list[str] = field(default_factory=list)  # stop strings for multi-token tags
     logprobs_topk: int = 20  # top-k log-probs per generated token, for entropy
     seed: int | None = None
+    # top-k only for the first ``topk_window`` tokens (0: every token); later tokens carry
+    # their own log-prob only (top_logprobs entry []): entropy is read over a window
+    topk_window: int = 0
+    ignore_eos: bool = False
+
+
+UPDATE_MODES = ("drain", "interrupt")
 
 
 @dataclass
@@ -42,7 +57,17 @@ class GenResult:
     top_logprobs: list[list[float]]  # per token, the top-k log-probs, descending
     finish_reason: str  # "stop" (stop token/string or EOS), "length", or "abort"
     stop_reason: str | int | None = None  # the stop string or token id that matched
-    version: int = -1  # policy version of the weights that generated every token
+    version: int = -1  # policy version of the weights that generated the last token
+    # per token, the policy version that sampled it (an update can interrupt a call, which
+    # then resumes under the new weights); [] means every token has ``version``
+    versions: list[int] = field(default_factory=list)
+    interruptions: int = 0  # times a weight update stopped and resumed this call
+
+    def __post_init__(self) -> None:
+        if not self.versions:
+            self.versions = [self.version] * len(self.tokens)
+        elif len(self.versions) != len(self.tokens):
+            raise ValueError(f"{len(self.versions)} versions for {len(self.tokens)} tokens")
 
 
 class GenerationEngine(Protocol):
@@ -54,8 +79,9 @@ class GenerationEngine(Protocol):
         """Sample one continuation. Weight updates never happen during one call."""
 
     async def update_weights(self, tensors: dict[str, np.ndarray], version: int) -> float:
-        """Load full weights in place (no engine restart) at a safe point: waits for the
-        calls in flight, blocks new ones meanwhile. Returns seconds generation paused."""
+        """Load full weights in place (no engine restart) at a safe point: blocks new calls,
+        and waits for the calls in flight (``drain``) or stops them at a token boundary to
+        resume after the load (``interrupt``). Returns seconds generation paused."""
 
     async def sequence_logprobs(self, prompt_tokens: list[int], tokens: list[int]) -> list[float]:
         """Log-probs of ``tokens`` following ``prompt_tokens`` under the loaded weights
@@ -69,19 +95,30 @@ class WeightGate:
 
     ``generate``/``sequence_logprobs`` run inside ``async with gate.call()``; an update
     runs inside ``async with gate.exclusive()``, which first holds new calls, then waits
-    until the calls in flight have finished. Calls issued while an update waits or runs
+    until the calls in flight have left. Calls issued while an update waits or runs
     start after it, so they see the new weights and version. Updates are serialised.
+
+    Interrupt mode: a call that can stop early passes ``gate.call(stop=...)``, a callable
+    (sync or async) that makes it return at its next token boundary with what it has;
+    ``exclusive(interrupt=True)`` invokes every such callable before it waits, so the wait
+    is one decode step, not the longest call. The caller resumes after the update.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, mode: str = "drain") -> None:
         import asyncio
 
+        if mode not in UPDATE_MODES:
+            raise ValueError(f"actors.update_mode: {mode!r}, expected one of {UPDATE_MODES}")
+        self.mode = mode
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
         self._open = asyncio.Event()
         self._open.set()
         self._update_lock = asyncio.Lock()
+        self._stoppers: dict[int, Any] = {}
+        self._ids = 0
+        self.interrupted = 0  # calls stopped by updates, in all
 
     @property
     def in_flight(self) -> int:
@@ -94,26 +131,41 @@ class WeightGate:
         return not self._open.is_set()
 
     @contextlib.asynccontextmanager
-    async def call(self):
+    async def call(self, stop=None):
         # Re-check after every wake-up: another update may have closed the gate again.
         while not self._open.is_set():
             await self._open.wait()
         self._in_flight += 1
         self._idle.clear()
+        key = self._ids = self._ids + 1
+        if stop is not None and self.mode == "interrupt":
+            self._stoppers[key] = stop
         try:
             yield
         finally:
+            self._stoppers.pop(key, None)
             self._in_flight -= 1
             if self._in_flight == 0:
                 self._idle.set()
 
     @contextlib.asynccontextmanager
-    async def exclusive(self):
-        """Yields the seconds spent waiting for the calls in flight to drain."""
+    async def exclusive(self, interrupt: bool | None = None):
+        """Yields the seconds spent waiting for the calls in flight to leave: to end
+        (drain), or, with ``interrupt`` (default: the gate's mode is ``interrupt``), to
+        stop at their next token boundary."""
+        import inspect
+
+        interrupt = self.mode == "interrupt" if interrupt is None else interrupt
         async with self._update_lock:
             self._open.clear()
             try:
                 t0 = time.perf_counter()
+                if interrupt:
+                    for stop in list(self._stoppers.values()):
+                        self.interrupted += 1
+                        out = stop()
+                        if inspect.isawaitable(out):
+                            await out
                 await self._idle.wait()
                 yield time.perf_counter() - t0
             finally:

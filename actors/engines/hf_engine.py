@@ -7,12 +7,14 @@ vLLM's sampler, and the same convention for greedy decoding, temperature 0: the
 temperature-1 distribution). Requests run one at a time in a worker thread
 (``asyncio.to_thread``) under a lock, so the event loop stays free; concurrent requests
 queue. Slow next to vLLM, but exact and dependency-free: the reference the vLLM engine
-is tested against.
+is tested against. In ``interrupt`` mode a weight update stops a request between two
+decode steps; it resumes from prompt + its tokens under the new weights.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -51,7 +53,8 @@ def sampling_logprobs(logits: Any, temperature: float, top_p: float) -> Any:
 class HFEngine:
     """``GenerationEngine`` over a transformers causal LM; build it with ``await create``."""
 
-    def __init__(self, model: Any, tokenizer: Any, seed: int, version: int, max_model_len: int):
+    def __init__(self, model: Any, tokenizer: Any, seed: int, version: int, max_model_len: int,
+                 update_mode: str = "drain"):
         import torch
 
         self._model = model
@@ -63,13 +66,15 @@ class HFEngine:
         if eos is None:
             eos = model.config.eos_token_id
         self._eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        self._gate = WeightGate()
+        self._gate = WeightGate(update_mode)
         self._compute = asyncio.Lock()  # one request on the model at a time
+        self.interrupted_calls = 0
         self.last_update: dict[str, float] = {}
 
     @classmethod
     async def create(cls, model_path: str | Path, dtype: str = "float32", seed: int = 0,
-                     threads: int = 1, version: int = 0, max_model_len: int = 2048) -> HFEngine:
+                     threads: int = 1, version: int = 0, max_model_len: int = 2048,
+                     update_mode: str = "drain") -> HFEngine:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -81,34 +86,44 @@ class HFEngine:
             return model.eval(), AutoTokenizer.from_pretrained(str(model_path))
 
         model, tokenizer = await asyncio.to_thread(load)
-        return cls(model, tokenizer, seed, version, max_model_len)
+        return cls(model, tokenizer, seed, version, max_model_len, update_mode)
 
     # ------------------------------------------------------------------ generation
     def _stopped(self, req: GenRequest, tokens: list[int]) -> tuple[bool, str | int | None]:
+        """Whether the newest of the round's ``tokens`` ends it (checked after every token,
+        so a stop string found in the tail is one the newest token completed)."""
         tok = tokens[-1]
         if tok in req.stop_token_ids:
             return True, tok
-        if tok in self._eos:
+        if tok in self._eos and not req.ignore_eos:
             return True, None
         if req.stop:
-            # Decode a short tail only: a stop string is a few tokens at most.
+            # Decode a short tail only: a stop string is a few tokens at most. The round's
+            # tokens before an interruption count too.
             tail = self._tokenizer.decode(tokens[-16:], skip_special_tokens=False)
             for s in req.stop:
                 if s in tail:
                     return True, s
         return False, None
 
-    def _generate_sync(self, req: GenRequest) -> GenResult:
+    def _generate_sync(self, req: GenRequest, done: list[int], stop: threading.Event
+                       ) -> GenResult:
+        """Tokens after ``req.prompt_tokens + done`` until the round ends, the token
+        budget is spent or ``stop`` is set (finish_reason "abort")."""
         import torch
 
-        gen = (torch.Generator().manual_seed(req.seed) if req.seed is not None
+        gen = (torch.Generator().manual_seed(req.seed + len(done)) if req.seed is not None
                else self._generator)
-        limit = min(req.max_tokens, self.max_model_len - len(req.prompt_tokens))
+        prompt = list(req.prompt_tokens) + done
+        limit = min(req.max_tokens - len(done), self.max_model_len - len(prompt))
         tokens, logprobs, tops = [], [], []
         finish, reason = "length", None
         with torch.inference_mode():
-            out = self._model(torch.tensor([req.prompt_tokens]), use_cache=True)
-            for _ in range(limit):
+            out = self._model(torch.tensor([prompt]), use_cache=True)
+            for _ in range(max(0, limit)):
+                if stop.is_set():
+                    finish = "abort"
+                    break
                 lp = sampling_logprobs(out.logits[0, -1], req.temperature, req.top_p)
                 if req.temperature < GREEDY_EPS:
                     tok = int(lp.argmax())
@@ -116,11 +131,12 @@ class HFEngine:
                     tok = int(torch.multinomial(lp.exp(), 1, generator=gen))
                 tokens.append(tok)
                 logprobs.append(float(lp[tok]))
-                k = min(max(req.logprobs_topk, 0), lp.shape[-1])
+                in_window = req.topk_window <= 0 or len(done) + len(tokens) <= req.topk_window
+                k = min(max(req.logprobs_topk, 0), lp.shape[-1]) if in_window else 0
                 top = lp.topk(k).values.tolist() if k else []
                 tops.append([v for v in top if v != float("-inf")])
-                stop, reason = self._stopped(req, tokens)
-                if stop:
+                ended, reason = self._stopped(req, done + tokens)
+                if ended:
                     finish = "stop"
                     break
                 out = self._model(torch.tensor([[tok]]), past_key_values=out.past_key_values,
@@ -134,8 +150,23 @@ class HFEngine:
         if len(req.prompt_tokens) >= self.max_model_len:
             raise ValueError(f"prompt of {len(req.prompt_tokens)} tokens leaves no room under "
                              f"model.max_model_len={self.max_model_len}")
-        async with self._gate.call(), self._compute:
-            return await asyncio.to_thread(self._generate_sync, req)
+        tokens, logprobs, tops, versions, interruptions = [], [], [], [], 0
+        while True:
+            stop = threading.Event()
+            async with self._gate.call(stop=stop.set), self._compute:
+                version = self.version
+                part = await asyncio.to_thread(self._generate_sync, req, tokens, stop)
+            tokens += part.tokens
+            logprobs += part.logprobs
+            tops += part.top_logprobs
+            versions += [version] * len(part.tokens)
+            if part.finish_reason != "abort":
+                break
+            interruptions += 1  # a weight update stopped it: resume under the new weights
+        self.interrupted_calls += bool(interruptions)
+        return GenResult(tokens=tokens, logprobs=logprobs, top_logprobs=tops,
+                         finish_reason=part.finish_reason, stop_reason=part.stop_reason,
+                         version=version, versions=versions, interruptions=interruptions)
 
     def _sequence_sync(self, prompt_tokens: list[int], tokens: list[int]) -> list[float]:
         import torch

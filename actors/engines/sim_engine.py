@@ -125,42 +125,59 @@ class SimulatedEngine:
     """``GenerationEngine`` with no model; build it with ``await create(cfg, ...)``."""
 
     def __init__(self, sim, vocab: Vocab, tools: list[str], seed: int, version: int,
-                 max_model_len: int, expected: dict[str, tuple] | None):
+                 max_model_len: int, expected: dict[str, tuple] | None,
+                 update_mode: str = "drain"):
         self.sim, self.vocab, self.tools = sim, vocab, list(tools)
         self.seed, self.version, self.max_model_len = seed, version, max_model_len
         self._rng = np.random.default_rng([seed, 7])
-        self._gate = WeightGate()
+        self._gate = WeightGate(update_mode)
         self._expected = expected
         self.tokens_generated = 0
         self.calls = 0
+        self.interrupted_calls = 0
         self.last_update: dict[str, float] = {}
 
     @classmethod
     async def create(cls, cfg, model_path: str, seed: int, version: int = 0) -> SimulatedEngine:
         vocab = await asyncio.to_thread(load_vocab, str(model_path))
         return cls(cfg.sim, vocab, cfg.tools.enabled, seed, version, cfg.model.max_model_len,
-                   checkpoint_shapes(str(model_path)))
+                   checkpoint_shapes(str(model_path)), cfg.actors.update_mode)
 
     # ------------------------------------------------------------------ generation
     async def generate(self, req: GenRequest) -> GenResult:
+        """The round is drawn at once, then paced; in ``interrupt`` mode a weight update
+        stops the pacing at a chunk boundary and the rest of the round carries the new
+        version (a real engine recomputes the context; here nothing depends on it)."""
         self._check_prompt(req.prompt_tokens)
         rng = (np.random.default_rng([self.seed, req.seed]) if req.seed is not None
                else self._rng)
         limit = max(0, min(req.max_tokens, self.max_model_len - len(req.prompt_tokens)))
-        async with self._gate.call():
-            version = self.version
-            tokens, reason = self._round(req, rng)
-            finish = "stop" if len(tokens) <= limit else "length"
-            tokens = tokens[:limit]
-            if finish == "length":
-                reason = None
-            await self._pace(len(tokens))
+        tokens, reason = self._round(req, rng)
+        finish = "stop" if len(tokens) <= limit else "length"
+        tokens = tokens[:limit]
+        if finish == "length":
+            reason = None
+        versions: list[int] = []
+        interruptions = 0
+        while len(versions) < len(tokens) or not versions and not tokens:
+            stopped = []
+            async with self._gate.call(stop=lambda flag=stopped: flag.append(True)):
+                version = self.version
+                done = await self._pace(len(tokens) - len(versions), stopped)
+            versions += [version] * done
+            if not stopped or len(versions) == len(tokens):
+                break
+            interruptions += 1
         after_tool = self._after_tool(req.prompt_tokens)
         logprobs, top = self._logprobs(len(tokens), after_tool, req.logprobs_topk, rng)
+        if 0 < req.topk_window < len(top):
+            top = top[:req.topk_window] + [[] for _ in top[req.topk_window:]]
         self.tokens_generated += len(tokens)
         self.calls += 1
+        self.interrupted_calls += bool(interruptions)
         return GenResult(tokens=tokens, logprobs=logprobs, top_logprobs=top,
-                         finish_reason=finish, stop_reason=reason, version=version)
+                         finish_reason=finish, stop_reason=reason, version=version,
+                         versions=versions, interruptions=interruptions)
 
     def _check_prompt(self, tokens: list[int]) -> None:
         if not tokens:
@@ -228,18 +245,21 @@ class SimulatedEngine:
         ranks = np.arange(k)[None, :]
         return logprobs, table.logprobs(s[:, None], log_z[:, None], ranks).tolist()
 
-    async def _pace(self, n: int) -> None:
+    async def _pace(self, n: int, stopped: list) -> int:
+        """Sleep as long as ``n`` tokens take; returns the tokens paced before ``stopped``
+        (set by an interrupting weight update) was seen."""
         s = self.sim
         if s.request_latency_s:
             await asyncio.sleep(s.request_latency_s)
         done = 0
-        while done < n:
+        while done < n and not stopped:
             step = min(s.chunk_tokens, n - done)
             rate = s.tokens_per_s
             if s.engine_tokens_per_s:
                 rate = min(rate, s.engine_tokens_per_s / max(1, self._gate.in_flight))
             await asyncio.sleep(step / rate)
             done += step
+        return done
 
     async def sequence_logprobs(self, prompt_tokens: list[int], tokens: list[int]) -> list[float]:
         """Deterministic per (version, tokens), but not any model's log-probs."""

@@ -126,15 +126,21 @@ class VLLMEngine:
     """``GenerationEngine`` over vLLM's ``AsyncLLM``; build it with ``await create(...)``."""
 
     def __init__(self, llm: Any, dtype: str, max_model_len: int, max_logprobs: int,
-                 prefix_caching: bool, version: int):
+                 prefix_caching: bool, version: int, update_mode: str = "drain",
+                 model_path: str = ""):
         self._llm = llm
         self._dtype = dtype
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
         self._prefix_caching = prefix_caching
         self.version = version
-        self._gate = WeightGate()
+        self._gate = WeightGate(update_mode)
         self._ids = itertools.count()
+        self._model_path = model_path
+        self._tok = None  # the tokenizer, loaded when a stop string straddles segments
+        self.prompt_tokens = 0  # prompt tokens of all requests, and those the cache served
+        self.cached_tokens = 0
+        self.interrupted_calls = 0
         self._shm = Path(tempfile.mkdtemp(prefix="arpo_weights_", dir=_shm_dir()))
         self.last_update: dict[str, float] = {}
         self.startup_s = 0.0
@@ -159,6 +165,7 @@ class VLLMEngine:
         enable_prefix_caching: bool = False,
         version: int = 0,
         weight_transfer: str | None = None,
+        update_mode: str = "drain",
     ) -> VLLMEngine:
         """Start the engine and run one warm-up request (the first request otherwise
         pays ~20 s of one-off set-up). ``cpu_bind``: vLLM's VLLM_CPU_OMP_THREADS_BIND
@@ -193,7 +200,7 @@ class VLLMEngine:
         # No local name for the AsyncLLM: the engine object must hold the only reference,
         # so that close() can release it (a finished frame here kept it alive).
         engine = cls(AsyncLLM.from_engine_args(args), dtype, max_model_len, max_logprobs,
-                     enable_prefix_caching, version)
+                     enable_prefix_caching, version, update_mode, model_path)
         engine._expected = checkpoint_shapes(model_path)
         engine.nccl_workers = tensor_parallel
         try:
@@ -213,45 +220,116 @@ class VLLMEngine:
             raise ValueError(f"prompt of {len(tokens)} tokens (+{extra}) exceeds "
                              f"model.max_model_len={self.max_model_len}")
 
-    async def _run(self, prompt: list[int], params: Any) -> Any:
+    async def _run(self, prompt: list[int], params: Any, request_id: str | None = None) -> Any:
         from vllm.inputs import TokensPrompt
 
         final = None
-        request_id = f"arpo-{id(self):x}-{next(self._ids)}"
+        request_id = request_id or self._request_id()
         async for out in self._llm.generate(TokensPrompt(prompt_token_ids=prompt), params,
                                             request_id):
             final = out
         return final
 
+    def _request_id(self) -> str:
+        return f"arpo-{id(self):x}-{next(self._ids)}"
+
     async def generate(self, req: GenRequest) -> GenResult:
+        """One round, as one or more engine requests (segments): the first
+        ``req.topk_window`` tokens with top-k log-probs, the rest with the sampled token's
+        own log-prob only; and, in ``interrupt`` mode, a segment a weight update stopped
+        resumes from prompt + the tokens so far under the new weights. A stop string
+        split across two segments is still found (``_boundary_stops``)."""
         from vllm import SamplingParams
 
         if req.logprobs_topk > self.max_logprobs:
             raise ValueError(f"logprobs_topk={req.logprobs_topk} exceeds the engine's "
                              f"max_logprobs={self.max_logprobs}")
         self._check_prompt(req.prompt_tokens, 1)
-        params = SamplingParams(
-            n=1, max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-            stop_token_ids=list(req.stop_token_ids), stop=list(req.stop),
-            include_stop_str_in_output=True, logprobs=max(0, req.logprobs_topk), seed=req.seed,
-            # Text is only needed to match stop strings; decoding 20 candidates per token
-            # otherwise costs more than the tiny model's forward pass.
-            detokenize=bool(req.stop),
-        )
-        async with self._gate.call():
-            version = self.version
-            out = await self._run(list(req.prompt_tokens), params)
-        comp = out.outputs[0]
-        tokens = list(comp.token_ids)
-        entries = comp.logprobs or []
-        if len(entries) != len(tokens):
-            raise RuntimeError(f"vLLM returned {len(entries)} log-prob entries for "
-                               f"{len(tokens)} tokens")
-        logprobs = [float(e[t].logprob) for t, e in zip(tokens, entries)]
-        top = [_top_k(e, req.logprobs_topk) for e in entries]
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        top: list[list[float]] = []
+        versions: list[int] = []
+        stops, reason, finish, interruptions = list(req.stop), None, "length", 0
+        window = req.topk_window if 0 < req.topk_window < req.max_tokens else 0
+        while len(tokens) < req.max_tokens:
+            in_window = window == 0 or len(tokens) < window
+            k = max(0, req.logprobs_topk) if in_window else 0
+            limit = (window if window and in_window else req.max_tokens) - len(tokens)
+            extra = self._boundary_stops(req.stop, tokens) if tokens and req.stop else {}
+            params = SamplingParams(
+                n=1, max_tokens=limit, temperature=req.temperature, top_p=req.top_p,
+                stop_token_ids=list(req.stop_token_ids), stop=stops + list(extra),
+                include_stop_str_in_output=True, logprobs=k, ignore_eos=req.ignore_eos,
+                seed=None if req.seed is None else (req.seed + len(tokens)) % 2**31,
+                # Text is only needed to match stop strings; decoding 20 candidates per
+                # token otherwise costs more than the tiny model's forward pass.
+                detokenize=bool(req.stop))
+            request_id = self._request_id()
+            stopped = []
+
+            async def stop(rid=request_id, flag=stopped):
+                flag.append(True)
+                await self._llm.abort(rid)
+
+            async with self._gate.call(stop=stop):
+                version = self.version
+                out = await self._run(list(req.prompt_tokens) + tokens, params, request_id)
+            self.prompt_tokens += len(req.prompt_tokens) + len(tokens)
+            self.cached_tokens += int(out.num_cached_tokens or 0)
+            comp = out.outputs[0]
+            got = list(comp.token_ids)
+            entries = comp.logprobs or []
+            if len(entries) != len(got):
+                raise RuntimeError(f"vLLM returned {len(entries)} log-prob entries for "
+                                   f"{len(got)} tokens")
+            tokens += got
+            logprobs += [float(e[t].logprob) for t, e in zip(got, entries)]
+            top += [_top_k(e, k) if k else [] for e in entries]
+            versions += [version] * len(got)
+            finish, reason = comp.finish_reason or "abort", comp.stop_reason
+            if finish == "abort" and stopped:
+                interruptions += 1  # a weight update stopped it: resume under the new weights
+                continue
+            if finish == "stop" and reason in extra:
+                if not comp.text.startswith(reason):
+                    continue  # a stop string's tail matched inside new text: not a stop
+                reason = extra[reason]  # the stop string that straddled the boundary
+            if finish == "length" and window and len(tokens) == window < req.max_tokens:
+                continue  # the window ended, not the round
+            break
+        if interruptions:
+            self.interrupted_calls += 1
         return GenResult(tokens=tokens, logprobs=logprobs, top_logprobs=top,
-                         finish_reason=comp.finish_reason or "abort",
-                         stop_reason=comp.stop_reason, version=version)
+                         finish_reason=finish, stop_reason=reason, version=versions[-1]
+                         if versions else self.version, versions=versions,
+                         interruptions=interruptions)
+
+    def _boundary_stops(self, stops: list[str], tokens: list[int]) -> dict[str, str]:
+        """Stop strings the next segment must also stop at: for each stop string whose
+        beginning the text so far ends with, its remaining tail (tail -> stop string). The
+        engine matches stop strings in a request's own output only."""
+        text = self._tokenizer().decode(tokens[-16:], skip_special_tokens=False)
+        tails = {}
+        for s in stops:
+            for cut in range(len(s) - 1, 0, -1):
+                if text.endswith(s[:cut]):
+                    tails.setdefault(s[cut:], s)
+                    break
+        return tails
+
+    def _tokenizer(self) -> Any:
+        if self._tok is None:
+            from transformers import AutoTokenizer
+
+            self._tok = AutoTokenizer.from_pretrained(self._model_path)
+        return self._tok
+
+    def stats(self) -> dict[str, float]:
+        """Prefix-cache hits (prompt tokens served from the cache) and interruptions."""
+        return {"prefix_cache_hit_rate": self.cached_tokens / max(1, self.prompt_tokens),
+                "prompt_tokens": float(self.prompt_tokens),
+                "cached_tokens": float(self.cached_tokens),
+                "interrupted_calls": float(self.interrupted_calls)}
 
     async def sequence_logprobs(self, prompt_tokens: list[int], tokens: list[int]) -> list[float]:
         """One prefill with ``prompt_logprobs=0`` (each position's actual token only)."""

@@ -173,11 +173,14 @@ async def test_pacing_per_sequence_and_engine_cap(tiny_model_dir, vocab):
 
 
 # ----------------------------------------------------------------------------- weights
-async def test_update_checks_names_and_waits_for_calls_in_flight(tiny_model_dir):
+@pytest.mark.parametrize("mode", ["drain", "interrupt"])
+async def test_update_checks_names_and_drains_or_interrupts_calls_in_flight(tiny_model_dir,
+                                                                              mode):
     from safetensors.numpy import load_file
 
     eng = await _engine(tiny_model_dir, "sim.tokens_per_s=500", "sim.round_tokens_min=50",
-                        "sim.round_tokens_max=50", "sim.update_s=0.05")
+                        "sim.round_tokens_max=50", "sim.update_s=0.05", "sim.chunk_tokens=4",
+                        f"actors.update_mode={mode}")
     weights = load_file(str(next(Path(tiny_model_dir).glob("*.safetensors"))))
     with pytest.raises(ValueError, match="missing"):
         await eng.update_weights(dict(list(weights.items())[1:]), 1)
@@ -191,8 +194,16 @@ async def test_update_checks_names_and_waits_for_calls_in_flight(tiny_model_dir)
     await asyncio.sleep(0.01)
     paused = await eng.update_weights(weights, 1)
     res = await gen
-    assert res.version == 0 and eng.version == 1
-    assert eng.last_update["drain_s"] > 0.03 and paused >= 0.05 + eng.last_update["drain_s"] - 1e-6
+    assert eng.version == 1 and len(res.versions) == len(res.tokens) == 40
+    assert paused >= 0.05 + eng.last_update["drain_s"] - 1e-6
+    if mode == "drain":  # the update waited for the call: all of it is version 0
+        assert res.versions == [0] * 40 and res.interruptions == 0
+        assert eng.last_update["drain_s"] > 0.03
+    else:  # stopped at a chunk boundary (4 tokens, 8 ms), resumed under version 1
+        k = res.versions.index(1)
+        assert 0 < k < 40 and res.versions == [0] * k + [1] * (40 - k)
+        assert res.interruptions == 1 and res.version == 1
+        assert eng.last_update["drain_s"] < 0.03
     after = await eng.generate(GenRequest([1, 2], 5, seed=1))
     assert after.version == 1
 
