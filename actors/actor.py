@@ -1,11 +1,17 @@
 """The actor loop: many prompt groups in flight on one engine, admission by ticket,
-weights applied in place at a safe point, exact accounting of what was sent.
+weights applied in place, exact accounting of what was sent.
 
-Each of ``actors.concurrent_groups`` slots repeats: ask the learner for a ticket (the
-learner's admission control bounds staleness), generate a group with the rollout, send
-it (blocking while the learner is behind: backpressure, never a drop). A background task
-polls for newer weights and loads them without restarting the engine; tokens sampled
-after that carry the new version. Weights come over ZeroMQ, or, with
+Trajectory-level scheduling (``actors.max_inflight_trajectories`` = T > 0): whenever fewer
+than T trajectories are generating (``Occupancy``: leaves that ended, or wait for a tool,
+do not count), the actor asks the learner for a ticket (the learner's admission control
+bounds staleness) and starts the next group, without waiting for any group's stragglers.
+Each group runs as its own task and is sent whole when its last leaf ends, in whatever
+order groups finish (blocking while the learner is behind: backpressure, never a drop).
+With T = 0, ``actors.concurrent_groups`` slots each generate one group and wait for its
+slowest leaf before the next (the synchronous systems' organisation, kept for comparison).
+A background task polls for newer weights and loads them without restarting the engine
+(``actors.update_mode``: interrupting the requests in flight, which resume under the new
+weights, or draining them); tokens sampled after that carry the new version. Weights come over ZeroMQ, or, with
 ``learner.weight_sync=nccl``, by NCCL broadcast into a vLLM GPU actor on the learner's
 machine (actors/weight_sync.py picks the channel and falls back to ZeroMQ).
 
@@ -28,7 +34,7 @@ import time
 from pathlib import Path
 
 from actors.engines.base import GenerationEngine
-from actors.rollout import Rollout
+from actors.rollout import Occupancy, Rollout
 from actors.weight_sync import WeightSync, ZmqWeights, build_weight_sync
 from arpo_async.core import protocol as P
 from arpo_async.core.metrics import append_jsonl, probe_sequence
@@ -55,6 +61,8 @@ class Actor:
         self.updates = 0
         self.pause_s = 0.0
         self.idle_s = 0.0
+        self.groups_started = 0
+        self.max_groups_in_flight = 0
         self.started = time.time()
         self._weights_lock = asyncio.Lock()
         self._learner_version = -1  # newest version the learner said it publishes
@@ -151,8 +159,9 @@ class Actor:
                 log.warning("actor %d: heartbeat failed: %s", self.actor_id, exc)
             await asyncio.sleep(self.cfg.actors.heartbeat_s)
 
-    # ------------------------------------------------------------------ slots
-    async def _slot(self) -> None:
+    # ------------------------------------------------------------------ admission
+    async def _ticket(self) -> bool:
+        """Ask until a ticket is granted (True) or the learner says stop (False)."""
         while not self.stop:
             t0 = time.perf_counter()
             grant = await self._request(P.TicketRequest(self.actor_id, self.engine.version, 1))
@@ -174,18 +183,54 @@ class Actor:
             self.idle_s += time.perf_counter() - t0
             if 0 <= self._learner_version < self.engine.version:
                 await self.sync_weights()  # never generate with weights the learner lost
-            pos = self.source.position
-            self._in_flight.add(pos)
-            group = await self.rollout.run(self.source.next(), self.actor_id)
-            # the actor's own figures next to the rollout's (branch/*), never instead of them
-            group.stats = {**group.stats, "gen_s": time.time() - group.created_at,
-                           "pid": float(os.getpid()), "data_pos": float(pos)}
-            group.sent_at = time.time()
-            await self.sender.send(group)
-            self._in_flight.discard(pos)
-            self.groups_sent += 1
-            self.model_tokens += sum(int(leaf.loss_mask.sum()) for leaf in group.leaves)
-            self.tool_calls += group.tool_calls_executed
+            return True
+        return False
+
+    async def _group(self) -> None:
+        """Generate the next prompt's group and send it. Its first trajectories count
+        as generating before this coroutine first waits (``Rollout.run``)."""
+        pos = self.source.position
+        self._in_flight.add(pos)
+        group = await self.rollout.run(self.source.next(), self.actor_id)
+        # the actor's own figures next to the rollout's (branch/*), never instead of them
+        group.stats = {**group.stats, "gen_s": time.time() - group.created_at,
+                       "pid": float(os.getpid()), "data_pos": float(pos)}
+        group.sent_at = time.time()
+        await self.sender.send(group)
+        self._in_flight.discard(pos)
+        self.groups_sent += 1
+        self.model_tokens += sum(int(leaf.loss_mask.sum()) for leaf in group.leaves)
+        self.tool_calls += group.tool_calls_executed
+
+    async def _slot(self) -> None:
+        """Group slots (``max_inflight_trajectories=0``): one group at a time, whole."""
+        while await self._ticket():
+            await self._group()
+
+    async def _scheduler(self, target: int) -> None:
+        """Trajectory-level scheduling: a new group whenever fewer than ``target``
+        trajectories generate; the groups' tasks finish in any order."""
+        occupancy = getattr(self.rollout, "occupancy", None) or Occupancy()
+        groups: set[asyncio.Task] = set()
+        try:
+            while not self.stop:
+                await occupancy.below(target)
+                for task in [t for t in groups if t.done()]:
+                    groups.discard(task)
+                    task.result()  # a failed group ends the actor, as a failed slot did
+                if not await self._ticket():
+                    break
+                task = asyncio.create_task(self._group())
+                groups.add(task)
+                self.groups_started += 1
+                self.max_groups_in_flight = max(self.max_groups_in_flight,
+                                                sum(not t.done() for t in groups))
+                await asyncio.sleep(0)  # the group's task counts its first trajectories
+            if groups:  # the learner said stop: the groups in flight still finish and send
+                await asyncio.gather(*groups)
+        finally:
+            for task in groups:
+                task.cancel()
 
     def stats(self) -> dict[str, float]:
         elapsed = max(time.time() - self.started, 1e-9)
@@ -198,6 +243,13 @@ class Actor:
                # restart bookkeeping (learner/service.py): incarnation and data position
                "pid": float(os.getpid()), "data_pos": float(self.data_position()),
                "prompts_skipped_too_long": self.source.skipped_long}
+        occupancy = getattr(self.rollout, "occupancy", None)
+        if occupancy is not None:
+            out |= {"generating": float(occupancy.count), "generating_mean": occupancy.mean(),
+                    "generating_target": float(self.cfg.actors.max_inflight_trajectories),
+                    "max_groups_in_flight": float(self.max_groups_in_flight)}
+        if hasattr(self.engine, "stats"):
+            out |= {f"engine/{k}": v for k, v in self.engine.stats().items()}
         if self.tools is not None:
             out |= {f"tools/{k}": v for k, v in self.tools.stats().items()}
         return out
@@ -233,8 +285,13 @@ class Actor:
         await self.sync_weights()
         pollers = [asyncio.create_task(self._weights_loop()),
                    asyncio.create_task(self._heartbeat_loop())]
+        target = self.cfg.actors.max_inflight_trajectories
         try:
-            await asyncio.gather(*[self._slot() for _ in range(self.cfg.actors.concurrent_groups)])
+            if target > 0:
+                await self._scheduler(target)
+            else:
+                await asyncio.gather(*[self._slot()
+                                       for _ in range(self.cfg.actors.concurrent_groups)])
         finally:
             self.stop = True
             for task in pollers:

@@ -35,7 +35,7 @@ import numpy as np
 
 from actors.branching import BranchPlanner, BranchSettings, aepo_global_samples
 from actors.engines.base import GenerationEngine, GenRequest
-from actors.rollout import new_group_id
+from actors.rollout import Occupancy, new_group_id
 from arpo_async.core.entropy import entropy_from_topk, window_entropy
 from arpo_async.core.protocol import Trajectory, TrajectoryGroup
 from toolenv.syntax import build_syntax
@@ -88,6 +88,7 @@ class AgentRollout:
                  tools, rng: np.random.Generator):
         self.cfg, self.engine, self.source, self.tokenizer = cfg, engine, source, tokenizer
         self.tools, self.rng = tools, rng
+        self.occupancy = Occupancy()
         self.settings = BranchSettings.from_config(cfg.rollout)
         self.vocab = len(tokenizer)
         # tools.syntax: where rounds stop, how calls are read and results inserted
@@ -103,20 +104,25 @@ class AgentRollout:
             self.stop_ids.append(tokenizer.eos_token_id)
 
     # ------------------------------------------------------------------ one round
-    async def _round(self, prompt: Prompt, path: _Path) -> tuple[str, float, str]:
+    async def _round(self, prompt: Prompt, path: _Path, read: bool) -> tuple[str, float, str]:
+        """One round; ``read``: its window entropy is read (the first round of a global
+        sample, a round after the path's own tool result), so top-k log-probs are asked
+        for over the window only (``GenRequest.topk_window``), else not at all."""
         s = self.cfg.sampling
         budget = s.max_response_tokens - len(path.tokens)
+        window = self.settings.entropy_window
         res = await self.engine.generate(GenRequest(
             prompt_tokens=prompt.tokens + path.tokens, max_tokens=min(s.max_new_tokens, budget),
             temperature=s.temperature, top_p=s.top_p, stop_token_ids=self.stop_ids,
-            stop=self.stop_strings, logprobs_topk=s.logprobs_topk,
-            seed=int(self.rng.integers(2**31))))
+            stop=self.stop_strings, logprobs_topk=s.logprobs_topk if read else 0,
+            topk_window=window, seed=int(self.rng.integers(2**31))))
         path.tokens += res.tokens
         path.mask += [1] * len(res.tokens)
         path.logprobs += list(res.logprobs)
-        path.versions += [res.version] * len(res.tokens)
+        path.versions += list(res.versions)
         path.rounds += 1
-        ent = entropy_from_topk(res.top_logprobs, self.vocab) if res.top_logprobs else []
+        top = res.top_logprobs[:window] if read else []
+        ent = entropy_from_topk(top, self.vocab) if top else []
         h = (window_entropy(ent, self.settings.entropy_window, self.settings.entropy_reduce)
              if len(ent) else float("nan"))
         text = self.tokenizer.decode(res.tokens, skip_special_tokens=False)
@@ -127,8 +133,9 @@ class AgentRollout:
     async def _tool(self, path: _Path, call: ToolCall) -> None:
         # A call that cannot run (hermes: bad JSON, unknown tool, bad arguments) is
         # answered with its error, as a serving stack's tool executor would, and counted.
-        result = (self.tools.reject(call.name, call.error) if call.error
-                  else await self.tools.call(call.name, call.args))
+        with self.occupancy.waiting():  # not generating while the tool runs
+            result = (self.tools.reject(call.name, call.error) if call.error
+                      else await self.tools.call(call.name, call.args))
         inserted = self.syntax.result_text(result.text)
         if self.syntax.name == "arpo":  # the template's tool turn (hermes) is inserted whole
             inserted = after_overhang(path.overhang, inserted)
@@ -143,8 +150,10 @@ class AgentRollout:
     async def _drive(self, prompt: Prompt, path: _Path, group: _GroupState) -> None:
         planner = group.planner
         while True:
-            text, h, finish = await self._round(prompt, path)
-            if path.rounds == 1 and planner.parent_of(path.tid) == -1:
+            root = planner.parent_of(path.tid) == -1
+            text, h, finish = await self._round(prompt, path,
+                                                read=path.decide or root and path.rounds == 0)
+            if path.rounds == 1 and root:
                 planner.record_initial_entropy(path.tid, h)
                 group.h_root.append(h)
             if path.decide:
@@ -198,7 +207,7 @@ class AgentRollout:
     async def run(self, prompt: Prompt, actor_id: int) -> TrajectoryGroup:
         initial = 1 if self.settings.dynamic_budget else None
         group = _GroupState(BranchPlanner(self.settings, self.rng, initial=initial),
-                            probe=self.settings.dynamic_budget)
+                            self.occupancy, probe=self.settings.dynamic_budget)
         for tid in group.planner.start():
             group.spawn(self._drive(prompt, _Path(tid), group))
         await group.wait()
@@ -224,8 +233,9 @@ class AgentRollout:
 class _GroupState:
     """Tasks and finished paths of one group; all mutation happens on one event loop."""
 
-    def __init__(self, planner: BranchPlanner, probe: bool = False):
+    def __init__(self, planner: BranchPlanner, occupancy: Occupancy, probe: bool = False):
         self.planner = planner
+        self.occupancy = occupancy
         self.paths: dict[int, _Path] = {}
         self.tasks: set[asyncio.Task] = set()
         self.executed = 0
@@ -241,7 +251,8 @@ class _GroupState:
         return self.planner.stats() | ({"aepo_m": float(self.m)} if self.m else {})
 
     def spawn(self, coro) -> None:
-        self.tasks.add(asyncio.ensure_future(coro))
+        """Start a path; it counts as generating from now (``Occupancy``)."""
+        self.tasks.add(self.occupancy.track(asyncio.ensure_future(coro)))
 
     async def wait(self) -> None:
         try:

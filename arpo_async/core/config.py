@@ -79,7 +79,18 @@ class ActorsConfig(_Section):
     engine: Literal["vllm", "transformers", "simulated"] = Field(
         "vllm", description="generation engine for each actor"
     )
-    concurrent_groups: int = Field(4, ge=1, description="prompt groups generated at once per actor")
+    concurrent_groups: int = Field(
+        4, ge=1, description="with max_inflight_trajectories=0 only: group slots per actor, "
+        "each generating one prompt group and waiting for its slowest leaf")
+    max_inflight_trajectories: int = Field(
+        32, ge=0, description="trajectory-level scheduling: the actor takes a ticket and "
+        "starts the next group whenever fewer than this many trajectories are generating "
+        "(a trajectory waiting for a tool does not count), without waiting for a group's "
+        "stragglers; 0: group slots (actors.concurrent_groups)")
+    update_mode: Literal["drain", "interrupt"] = Field(
+        "interrupt", description="at a weight update, requests in flight are stopped at a "
+        "token boundary and resumed under the new weights (interrupt: their tokens keep the "
+        "version that sampled them), or the update waits for them to end (drain)")
     kv_cache_gib: float = Field(1.0, description="vLLM CPU KV cache, GiB (VLLM_CPU_KVCACHE_SPACE)")
     gpu_memory_utilization: float = Field(0.85, description="vLLM GPU memory fraction (GPU only)")
     tensor_parallel: int = Field(1, ge=1, description="vLLM tensor-parallel size (GPU only)")
