@@ -83,10 +83,11 @@ def test_persistent_counters_add_up_across_instances(tmp_path):
 
 
 def test_ttl_expiry(tmp_path):
-    with ToolCache(tmp_path / "c", ttl_s=0.3) as cache:
+    # 2 s, not less: on a loaded machine set + get once took over 0.3 s
+    with ToolCache(tmp_path / "c", ttl_s=2.0) as cache:
         cache.set("search", "1", "q", "answer")
         assert cache.get("search", "1", "q") == "answer"
-        time.sleep(0.45)
+        time.sleep(2.2)
         assert cache.get("search", "1", "q") is None
     with ToolCache(tmp_path / "d", ttl_s=0) as forever:
         forever.set("search", "1", "q", "answer")

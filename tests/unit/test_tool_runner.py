@@ -59,7 +59,7 @@ async def test_rate_limit_spreads_calls():
     assert all(r.ok for r in results)
     starts = sorted(t for _, t in tool.calls)
     # 20 per second: the first 20 at once, then 20 more a second later, then the last 10
-    assert 1.9 <= elapsed < 3.5
+    assert elapsed >= 1.9  # no upper bound: a loaded machine only makes it slower
     for i in range(len(starts) - 20):
         assert starts[i + 20] - starts[i] >= 0.99, "more than 20 calls started within 1 s"
 
