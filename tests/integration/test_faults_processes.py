@@ -18,6 +18,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 # ----------------------------------------------------------------------------- actor faults
 
 SILENT_S = 4  # learner.actor_silent_s of the kill+stall run
+# learner.max_steps of the kill+stall run: the kill and a first stall that holds are over
+# by step 12 or so on a 2-core VM (a faster machine makes more steps in the timed waits);
+# the rest leaves room for one more stall and the recovery. (At 30 steps, ~40 s went to
+# steps that no assertion looks at.)
+MAX_STEPS = 20
+STALL_STEPS = 6  # a fresh step, 3 steps stopped, the late group's arrival, recovery
 # learner/service.py expire_silent, from the learner's ledger: only an actor with
 # outstanding tickets (granted, group not received) is named
 _RELEASED_ACTOR1 = re.compile(r"actor 1 silent for \d+ s: released its (\d+) tickets")
@@ -102,12 +108,13 @@ def test_killed_actor_restarts_and_a_stalled_one_only_loses_its_late_groups(tiny
     released), and actor 1's late groups are dropped and counted.
 
     Actor 1 is stopped while it holds a ticket (``_stall_actor1``), and the stall is
-    repeated (at most 3 times) until the learner's ledger shows actor 1's late group
-    dropped as stale. (Tickets actor 0 held when it was killed may be released as
-    "actor_silent" too: that counter alone does not tell that actor 1 held one.)"""
+    repeated (at most 3 times, while MAX_STEPS leaves room) until the learner's ledger
+    shows actor 1's late group dropped as stale after it. (Tickets actor 0 held when it
+    was killed may be released as "actor_silent" too: that counter alone does not tell
+    that actor 1 held one.)"""
     # long groups (a random model rarely stops early): actors are busy generating, so a
     # stopped actor holds tickets (spine.yaml caps responses at 96 tokens: lift it too)
-    run = Run(tmp_path / "run", tiny_model_dir, "actors.num=2", "learner.max_steps=30",
+    run = Run(tmp_path / "run", tiny_model_dir, "actors.num=2", f"learner.max_steps={MAX_STEPS}",
               "rollout.mode=grpo", "rollout.group_size=8", "sampling.max_new_tokens=192",
               "sampling.max_response_tokens=192", "learner.batch_groups=2",
               "actors.concurrent_groups=2", f"learner.actor_silent_s={SILENT_S}",
@@ -124,13 +131,13 @@ def test_killed_actor_restarts_and_a_stalled_one_only_loses_its_late_groups(tiny
           t_kill + SILENT_S + 4 - time.time(), every=0.2)
 
     stalls = []
-    for _ in range(3):
+    while len(stalls) < 3 and run.step() + STALL_STEPS <= MAX_STEPS:
         stalls.append(_stall_actor1(run, first["actor1"]))
-        if stalls[-1]["held"] and stalls[-1]["stale_after"] >= 1:
+        if stalls[-1]["held"] and stalls[-1]["late_dropped"]:
             break
     summary = run.finish()
 
-    assert summary["status"] == "ok" and summary["steps"] == 30
+    assert summary["status"] == "ok" and summary["steps"] == MAX_STEPS
     assert summary["restarts"] == {"learner": 0, "actor0": 1, "actor1": 0}
     ev = [(e["event"], e["role"]) for e in run.events()]
     assert ("exit", "actor0") in ev and ("restart", "actor0") in ev, ev
@@ -141,7 +148,10 @@ def test_killed_actor_restarts_and_a_stalled_one_only_loses_its_late_groups(tiny
     assert ledger["1"]["lost"] == 0
     assert ledger["1"]["dropped"].get("stale", 0) >= 1, (ledger, stalls)  # its late groups
     assert summary["learner"]["admission"]["released_actor_silent"] >= 1
-    assert any(s["held"] for s in stalls), stalls  # actor 1's own tickets were released
+    # a stall in which actor 1's own tickets were released, and its late group (sampled
+    # before the stop) then dropped as stale: stale drops also happen without a stall
+    # (groups finishing out of order), so the count above alone does not show it
+    assert any(s["held"] and s["late_dropped"] for s in stalls), stalls
     # metrics.jsonl: the gap (the learner waits while actor 0 restarts and actor 1 is
     # stopped; fewer actors alive; actor 1 silent past actor_silent_s) and the recovery
     # (actor 0's new incarnation trained on, then actor 1 alive again)
@@ -153,7 +163,7 @@ def test_killed_actor_restarts_and_a_stalled_one_only_loses_its_late_groups(tiny
     assert svc[gap]["actor0/incarnations"] == 2
     assert svc[-1]["actor0/trained"] > svc[gap]["actor0/trained"] >= svc[0]["actor0/trained"]
     assert rows[-1]["actors_alive"] == 2 and svc[-1]["actor1/trained"] > svc[gap]["actor1/trained"]
-    assert [r["step"] for r in run.rows()] == list(range(1, 31))
+    assert [r["step"] for r in run.rows()] == list(range(1, MAX_STEPS + 1))
     # the restarted actor continued its prompt stream where the learner last saw it
     assert "continuing the prompt stream at position" in (run.dir / "logs" / "actor0.log"
                                                            ).read_text()
