@@ -33,7 +33,7 @@ the async step is also compared with max(g, t) directly.
 Workloads (``--workload``):
 - ``plain``: GRPO on the arithmetic task with the random tiny model (hidden 256, 4 layers,
   chosen so that g and t are about equal on the 2-core VM); batch 2 groups of 8, 64-token
-  responses. The model never writes a tool call, so there are no tool waits or forks.
+  responses, no tools offered (the plain sampling rollout): no tool waits, no forks.
 - ``arpo-tools``: ARPO (entropy branching: 4 initial samples per prompt, forks after tool
   results up to 8 leaves) with the tool-calling tiny model of bench/common.py (the same
   sizes; about one round in two ends in ``<python>...</python>``) and a tool answering
@@ -87,7 +87,7 @@ def workload_overrides(name: str, a) -> list[str]:
              f"model.tiny_heads={max(4, a.hidden // 64)}", f"learner.max_steps={a.steps}"]
     if name == "plain":
         model = SCRATCH / f"model_h{a.hidden}_l{a.layers}"  # the launcher builds it
-        return [*BASE, *sizes, f"model.path={model}", "rollout.mode=grpo",
+        return [*BASE, *sizes, f"model.path={model}", "rollout.mode=grpo", "tools.enabled=[]",
                 "sampling.max_new_tokens=64", "sampling.max_response_tokens=64"]
     model = SCRATCH / f"tool_caller_h{a.hidden}_l{a.layers}"
     ensure_tiny(model.with_name(model.name + "-base"), a.hidden, a.layers)  # its sizes
@@ -126,7 +126,7 @@ def pinned_run(overrides: list[str], run_dir: Path, timeout_s: float, env: dict)
             stderr=subprocess.STDOUT, start_new_session=True,
             preexec_fn=lambda c=core: os.sched_setaffinity(0, {c}))
     try:
-        rc = procs["learner"].wait(timeout_s)
+        rc = wait_learner(procs, timeout_s, run_dir)
         procs["actor0"].wait(60)
     finally:
         for proc in procs.values():
@@ -137,6 +137,8 @@ def pinned_run(overrides: list[str], run_dir: Path, timeout_s: float, env: dict)
         raise SystemExit(f"learner failed (rc {rc}); see {run_dir / 'logs' / 'learner.log'}")
     row, _ = summarize_run(run_dir, cfg.actors.concurrent_groups)
     steps = read_metrics(run_dir)[1:]  # step 1 carries the start-up
+    if not steps:
+        raise SystemExit(f"{run_dir}: fewer than 2 learner steps; see its logs/")
     n, leaves = len(steps), sum(r["leaves"] for r in steps)
     row["gen_s_per_step"] = sum(r["wait_s"] for r in steps) / n
     row["train_s_per_step"] = sum(r["step_time_s"] - r["wait_s"] for r in steps) / n
@@ -145,6 +147,20 @@ def pinned_run(overrides: list[str], run_dir: Path, timeout_s: float, env: dict)
                               / max(sum(r["groups"] for r in steps), 1))
     row["tokens_per_leaf"] = sum(r["tokens"] for r in steps) / max(leaves, 1)
     return row
+
+
+def wait_learner(procs: dict, timeout_s: float, run_dir: Path) -> int:
+    """The learner's exit status; an actor that fails first ends the run at once (the
+    learner would wait for it until its time limit)."""
+    deadline = time.monotonic() + timeout_s
+    while (rc := procs["learner"].poll()) is None:
+        actor_rc = procs["actor0"].poll()
+        if actor_rc not in (None, 0):
+            raise SystemExit(f"actor failed (rc {actor_rc}); see {run_dir / 'logs' / 'actor0.log'}")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{run_dir}: the learner took over {timeout_s:.0f} s")
+        time.sleep(0.5)
+    return rc
 
 
 def abba(repeats: int) -> list[str]:
