@@ -202,6 +202,14 @@ async def test_vllm_update_weights_in_place(vllm_engine, hf_model, tokenizer, pr
 
 
 async def test_vllm_concurrency_update_waits_for_inflight(vllm_engine, hf_model, prompt):
+    vllm_engine._gate.mode = "drain"  # actors.update_mode=drain (the module's engine interrupts)
+    try:
+        await _drain_check(vllm_engine, hf_model, prompt)
+    finally:
+        vllm_engine._gate.mode = "interrupt"
+
+
+async def _drain_check(vllm_engine, hf_model, prompt):
     v0 = vllm_engine.version
     done_at: dict[str, float] = {}
 
@@ -235,6 +243,69 @@ async def test_vllm_concurrency_update_waits_for_inflight(vllm_engine, hf_model,
     assert all(r.version == v0 + 1 for r in later_res)
     assert max(done_at[f"a{i}"] for i in range(16)) <= done_at["update"]
     assert min(done_at[f"b{i}"] for i in range(4)) >= done_at["update"]
+
+
+async def test_vllm_interrupted_call_resumes_under_the_new_weights(vllm_engine, hf_model,
+                                                                   prompt):
+    """actors.update_mode=interrupt: an update lands while a long call is in flight; the
+    call keeps its first tokens (old version, old log-probs) and goes on under the new
+    weights from prompt + those tokens, recomputed, so its new-version tokens have exactly
+    the new policy's log-probs, as the learner computes them."""
+    assert vllm_engine._gate.mode == "interrupt"
+    v0 = vllm_engine.version
+    original = {k: v.clone() for k, v in hf_model.state_dict().items()}
+    new = perturbed(hf_model, seed=3)
+    limit = 512 - len(prompt) - 1
+    long = asyncio.create_task(vllm_engine.generate(GenRequest(
+        prompt, max_tokens=limit, ignore_eos=True, logprobs_topk=5, topk_window=4, seed=11)))
+    # A short call submitted after the long one ends after 8 engine steps; by then the long
+    # call (in the same batches) has at least its 4-token window segment, and ~480 tokens
+    # to go when the update is requested.
+    while vllm_engine._gate.in_flight < 1:
+        await asyncio.sleep(0.001)
+    await vllm_engine.generate(GenRequest(prompt + [5], max_tokens=8, ignore_eos=True, seed=1))
+    try:
+        await vllm_engine.update_weights({k: v.numpy() for k, v in new.items()}, v0 + 1)
+        res = await long
+        k = res.versions.index(v0 + 1)
+        print(f"\nvLLM interrupt: {k} tokens of v{v0}, {len(res.tokens) - k} of v{v0 + 1}, "
+              f"update {vllm_engine.last_update}")
+        assert len(res.tokens) == limit and res.finish_reason == "length"
+        assert 4 <= k < limit and res.versions == [v0] * k + [v0 + 1] * (limit - k)
+        assert res.interruptions == 1 and res.version == v0 + 1
+        assert vllm_engine.stats()["interrupted_calls"] >= 1
+        # top-k over the window only, also across the resumed segment
+        assert all(1 <= len(t) <= 5 for t in res.top_logprobs[:4])
+        assert all(t == [] for t in res.top_logprobs[4:])
+        old_lp, _ = ref_logprobs(hf_model, prompt, res.tokens)
+        hf_model.load_state_dict(new)
+        new_lp, _ = ref_logprobs(hf_model, prompt, res.tokens)
+        lp = np.asarray(res.logprobs)
+        np.testing.assert_allclose(lp[:k], old_lp[:k], atol=TOL, rtol=0)
+        np.testing.assert_allclose(lp[k:], new_lp[k:], atol=TOL, rtol=0)
+        assert np.abs(lp[k:] - old_lp[k:]).max() > 1e-2  # the weights really changed
+    finally:
+        hf_model.load_state_dict(original)
+        await vllm_engine.update_weights(original, v0 + 2)
+
+
+async def test_vllm_top_k_window_keeps_the_round_whole(vllm_engine, hf_model, prompt, tokenizer):
+    """topk_window splits a round into two requests: the tokens, their log-probs and
+    where the round stops are those of one request."""
+    stop = tokenizer.encode("</answer>", add_special_tokens=False)
+    whole = await vllm_engine.generate(GenRequest(prompt, max_tokens=40, logprobs_topk=3,
+                                                  stop_token_ids=stop, seed=4))
+    split = await vllm_engine.generate(GenRequest(prompt, max_tokens=40, logprobs_topk=3,
+                                                  stop_token_ids=stop, seed=4, topk_window=6))
+    assert len(split.tokens) == len(split.logprobs) == len(split.top_logprobs)
+    n = min(len(whole.tokens), 6)
+    assert split.tokens[:n] == whole.tokens[:n]  # the same seed up to the window
+    for a, b in zip(split.top_logprobs[:n], whole.top_logprobs[:n]):
+        np.testing.assert_allclose(a, b, atol=TOL, rtol=0)
+    assert all(t == [] for t in split.top_logprobs[6:])
+    np.testing.assert_allclose(split.logprobs, ref_logprobs(hf_model, prompt, split.tokens)[0],
+                               atol=TOL, rtol=0)
+    assert split.finish_reason in ("stop", "length") and split.interruptions == 0
 
 
 async def test_vllm_rejects_bad_requests(vllm_engine, prompt, hf_model):
@@ -326,6 +397,45 @@ async def test_hf_logprobs_match_plain_forward(hf_engine, hf_model, prompt, temp
 
 
 async def test_hf_update_weights_and_gate(hf_engine, hf_model, prompt, tokenizer):
+    hf_engine._gate.mode = "drain"  # actors.update_mode=drain
+    try:
+        await _hf_drain_check(hf_engine, hf_model, prompt, tokenizer)
+    finally:
+        hf_engine._gate.mode = "interrupt"
+
+
+async def test_hf_interrupted_calls_resume_under_the_new_weights(hf_engine, hf_model, prompt):
+    """Three calls queue on the model (one at a time); an update in interrupt mode stops
+    the running one between two decode steps and the two waiting ones before their first
+    token: all three finish, each token with the version and log-prob that sampled it."""
+    assert hf_engine._gate.mode == "interrupt"
+    v0 = hf_engine.version
+    original = {k: v.clone() for k, v in hf_model.state_dict().items()}
+    new = perturbed(hf_model, seed=5)
+    calls = [asyncio.create_task(hf_engine.generate(GenRequest(prompt, max_tokens=24, seed=i)))
+             for i in range(3)]
+    while hf_engine._gate.in_flight < 3:
+        await asyncio.sleep(0)
+    try:
+        await hf_engine.update_weights({k: v.numpy() for k, v in new.items()}, v0 + 1)
+        results = await asyncio.gather(*calls)
+        assert sum(r.interruptions for r in results) >= 2
+        old = [ref_logprobs(hf_model, prompt, r.tokens)[0] for r in results]
+        hf_model.load_state_dict(new)
+        for i, (r, old_lp) in enumerate(zip(results, old)):
+            k = r.versions.count(v0)
+            assert r.versions == [v0] * k + [v0 + 1] * (len(r.tokens) - k)
+            if i:  # queued behind the first: stopped before they began
+                assert k == 0
+            new_lp = ref_logprobs(hf_model, prompt, r.tokens)[0]
+            np.testing.assert_allclose(r.logprobs[:k], old_lp[:k], atol=TOL, rtol=0)
+            np.testing.assert_allclose(r.logprobs[k:], new_lp[k:], atol=TOL, rtol=0)
+    finally:
+        hf_model.load_state_dict(original)
+        await hf_engine.update_weights(original, v0 + 2)
+
+
+async def _hf_drain_check(hf_engine, hf_model, prompt, tokenizer):
     tokens = tokenizer(TEXT)["input_ids"]
     before = np.array(await hf_engine.sequence_logprobs(prompt, tokens))
     new = perturbed(hf_model, seed=1)
@@ -357,7 +467,7 @@ async def test_hf_update_weights_and_gate(hf_engine, hf_model, prompt, tokenizer
         await hf_engine.update_weights({"not.a.weight": np.zeros(3, np.float32)}, 4)
     await hf_engine.update_weights(original, 4)
     res = await hf_engine.generate(GenRequest(prompt, max_tokens=2))
-    assert res.version == 4
+    assert res.version == 4 and res.versions == [4, 4]
 
 
 async def test_hf_stop_string_and_bf16_bits(hf_engine, hf_model, prompt, tokenizer):
