@@ -9,12 +9,16 @@ Checks (each a row of the table and of RUN_DIR/chaos_verdict.json):
   wrote its summary (it ended at ``learner.max_steps`` or ``run.time_limit_s``).
 - ``longest_gap``: the longest stretch between two learner steps (metrics.jsonl times)
   against its bound. Faults that overlap add up, so each gap has its own bound:
-  ``step_s + learner.actor_silent_s + sum(cost of the faults injected during the gap)``,
-  where a fault's cost is ``restart_s = min(30, actors.restart_backoff_s * 2**(R-1)) +
-  startup_s`` for a killed actor, learner or launcher (R: the most restarts of one role,
-  events.jsonl; startup_s: the role start-up allowance of the soak, ``--startup-s``), the
-  stall for a stopped actor, ``tools.timeout_s`` for a slow tool, 0 otherwise; ``step_s``
-  is the slowest step's own work (step_time_s - wait_s) plus the median step time.
+  ``step_s + learner.actor_silent_s + sum(cost of the faults acting during the gap)``.
+  A fault acts from its injection for as long as it lasts (``fault_effect``), so one
+  injected just before a gap counts too: ``restart_s = min(30, actors.restart_backoff_s *
+  2**(R-1)) + startup_s`` for a killed actor, learner or launcher (R: the most restarts of
+  one role, events.jsonl; startup_s: the role start-up allowance of the soak,
+  ``--startup-s``); the stall for a stopped actor; the window plus one slowed call (at
+  most ``tools.timeout_s``) for a slow tool; the window for a full cache folder (its
+  file-size limit also stops the actors writing their weight file, so they cannot load
+  new weights until it ends); 0 otherwise. ``step_s`` is the slowest step's own work
+  (step_time_s - wait_s) plus the median step time.
 - ``ledger``: per actor, sent = received + lost and received = trained + dropped (by
   reason); per incarnation, received <= sent; an actor that never said Bye fails.
 - ``staleness``: every step's staleness_max <= learner.max_staleness.
@@ -63,14 +67,18 @@ def check_finished(run_dir: Path, launcher_rc: int | None) -> dict:
             "steps": summary.get("steps", 0)}
 
 
-def fault_cost(fault: dict, cfg, restart_s: float) -> float:
+def fault_effect(fault: dict, cfg, restart_s: float) -> float:
+    """Seconds a fault can hold the learner's steps back, from its injection on."""
     kind = fault["kind"]
     if kind in ("actor_kill", "learner_kill", "launcher_kill"):
         return restart_s
     if kind == "actor_stop":
         return float(fault.get("stall_s", 0.0))
     if kind == "slow_tool":
-        return float(cfg.tools.timeout_s)
+        delay = min(float(fault.get("delay_s", cfg.tools.timeout_s)), cfg.tools.timeout_s)
+        return float(fault.get("for_s", 0.0)) + delay
+    if kind == "cache_full":
+        return float(fault.get("for_s", 0.0))
     return 0.0
 
 
@@ -88,7 +96,8 @@ def check_gap(run_dir: Path, cfg, startup_s: float) -> dict:
     step_s = work + statistics.median(r.get("step_time_s", 0) for r in rows)
     worst = None
     for a, b in zip(times, times[1:], strict=False):
-        cost = sum(fault_cost(f, cfg, restart_s) for f in faults if a <= f["time"] < b)
+        effects = [(f["time"], fault_effect(f, cfg, restart_s)) for f in faults]
+        cost = sum(e for t, e in effects if e > 0 and t < b and t + e > a)
         bound = step_s + cfg.learner.actor_silent_s + cost
         gap = {"gap_s": round(b - a, 1), "bound_s": round(bound, 1), "after_time": a}
         if worst is None or gap["gap_s"] - gap["bound_s"] > worst["gap_s"] - worst["bound_s"]:

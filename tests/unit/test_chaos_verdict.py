@@ -81,6 +81,22 @@ def test_the_gap_bound_adds_up_the_faults_inside_the_gap(tmp_path):
     assert res["ok"] and res["tightest"]["bound_s"] == 30.5, res
 
 
+def test_a_fault_injected_before_a_gap_counts_while_it_lasts(tmp_path):
+    """The 30-minute soak's longest gaps began 1-2 s after a cache_full fault (22 s: the
+    actors could not write their weight file) and a slow tool: faults act for their
+    duration, not only at the instant they are injected."""
+    cfg = config_from_dict({"learner": {"actor_silent_s": 5.0}, "tools": {"timeout_s": 10}})
+    _rows(tmp_path, [0, 1, 2, 26], [{"time": 1.5, "kind": "cache_full", "for_s": 22}])
+    res = V.check_gap(tmp_path, cfg, startup_s=10)  # 24 s <= 6.5 + 22
+    assert res["ok"] and res["tightest"]["bound_s"] == 28.5, res
+    _rows(tmp_path, [0, 1, 2, 26], [{"time": 1.5, "kind": "slow_tool", "for_s": 12,
+                                     "delay_s": 15}])  # 6.5 + 12 + min(15, 10)
+    assert V.check_gap(tmp_path, cfg, startup_s=10)["tightest"]["bound_s"] == 28.5
+    # over by the time it ended: a fault long gone explains nothing
+    _rows(tmp_path, [0, 30, 31, 60], [{"time": 1.5, "kind": "cache_full", "for_s": 22}])
+    assert not V.check_gap(tmp_path, cfg, startup_s=10)["ok"]
+
+
 def test_a_process_of_the_run_left_behind_is_found(tmp_path):
     marker = str(tmp_path / "run")
     env = dict(os.environ, ARPO_CHAOS_RUN=marker)
