@@ -131,11 +131,15 @@ def ingest_rate(count: int, batch: int) -> dict:
 
 
 def many_actors(actors: int, steps: int, model: str, run_dir: str) -> dict:
+    from arpo_async.core.config import SPINE_CONFIG
     from arpo_async.core.metrics import read_metrics
     from arpo_async.jobs.experiments import summarize_run
 
-    cmd = [sys.executable, "-m", "arpo_async.launch", "--quiet", f"run.dir={run_dir}",
-           f"model.path={model}", "actors.engine=simulated", f"actors.num={actors}",
+    # the RL stage alone: without --config the launcher runs the default job (data, SFT,
+    # RL, evaluation), as it has since configs/spine.yaml was split off
+    cmd = [sys.executable, "-m", "arpo_async.launch", "--quiet", "--config", str(SPINE_CONFIG),
+           f"run.dir={run_dir}", f"model.path={model}", "actors.engine=simulated",
+           f"actors.num={actors}",
            f"sim.actors_per_process={actors}", f"learner.max_steps={steps}",
            "learner.batch_groups=8", "learner.max_staleness=2", "rollout.mode=arpo",
            "rollout.group_size=8", "rollout.initial_samples=4", "actors.max_restarts=0"]
