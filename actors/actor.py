@@ -11,9 +11,10 @@ With T = 0, ``actors.concurrent_groups`` slots each generate one group and wait 
 slowest leaf before the next (the synchronous systems' organisation, kept for comparison).
 A background task polls for newer weights and loads them without restarting the engine
 (``actors.update_mode``: interrupting the requests in flight, which resume under the new
-weights, or draining them); tokens sampled after that carry the new version. Weights come over ZeroMQ, or, with
-``learner.weight_sync=nccl``, by NCCL broadcast into a vLLM GPU actor on the learner's
-machine (actors/weight_sync.py picks the channel and falls back to ZeroMQ).
+weights, or draining them); tokens sampled after that carry the new version. Weights
+come over ZeroMQ, or, with ``learner.weight_sync=nccl``, by NCCL broadcast into a vLLM
+GPU actor on the learner's machine (actors/weight_sync.py picks the channel and falls
+back to ZeroMQ).
 
 Surviving a learner restart (issue 7): a request that times out is retried with backoff
 until ``transport.connect_timeout_s`` of silence (ZeroMQ reconnects by itself; finished

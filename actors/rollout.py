@@ -72,11 +72,13 @@ class Occupancy:
             self._changed.clear()
             await self._changed.wait()
 
+    def area(self) -> float:
+        """Integral of the count over time since this object was made (trajectory-s)."""
+        return self._area + self.count * (time.monotonic() - self._since)
+
     def mean(self) -> float:
         """Time-averaged count since this object was made."""
-        now = time.monotonic()
-        area = self._area + self.count * (now - self._since)
-        return area / max(now - self._t0, 1e-9)
+        return self.area() / max(time.monotonic() - self._t0, 1e-9)
 
 
 def new_group_id(actor_id: int) -> str:
