@@ -258,6 +258,7 @@ async def actor_window(cfg, engine, tokenizer, tools, warmup_s: float, window_s:
         await asyncio.sleep(warmup_s)
         t0, n0, g0, c0 = time.perf_counter(), counting.tokens, actor.groups_sent, tree_cpu_s(skip)
         a0, r0, p0 = counting.area(), counting.calls, counting.prompt_tokens
+        o0 = rollout.occupancy.area()
         if profiler is not None:
             profiler.enable()
         await asyncio.sleep(window_s)
@@ -265,6 +266,7 @@ async def actor_window(cfg, engine, tokenizer, tools, warmup_s: float, window_s:
             profiler.disable()
         t1, n1, g1, c1 = time.perf_counter(), counting.tokens, actor.groups_sent, tree_cpu_s(skip)
         a1, r1, p1 = counting.area(), counting.calls, counting.prompt_tokens
+        o1 = rollout.occupancy.area()
         actor.stop = True
         await task
     finally:
@@ -278,13 +280,19 @@ async def actor_window(cfg, engine, tokenizer, tools, warmup_s: float, window_s:
             "cpu_s": c1 - c0, "tokens_per_cpu_s": (n1 - n0) / max(c1 - c0, 1e-9),
             "groups": g1 - g0, "rounds": r1 - r0, "mean_in_flight": (a1 - a0) / (t1 - t0),
             "prompt_tokens_per_round": (p1 - p0) / max(r1 - r0, 1), "idle_s": actor.idle_s,
+            # trajectories generating (Occupancy: not finished, not waiting for a tool)
+            "generating_mean": (o1 - o0) / (t1 - t0),
+            "engine": engine.stats() if hasattr(engine, "stats") else {},
             "tool_calls": actor.tool_calls, "sink": ledger}
 
 
 async def raw_vllm(engine, prompts: list[list[int]], concurrency: int, target_tokens: int,
-                   sampling: dict) -> dict:
+                   sampling: dict, window: int = 0) -> dict:
     """vLLM's AsyncLLM.generate called directly (no rollout, no actor), ``concurrency``
-    requests in flight, until ``target_tokens`` tokens came back."""
+    requests in flight, until ``target_tokens`` tokens came back. ``window`` > 0: each
+    round as the actor sends it (``GenRequest.topk_window``): the first ``window`` tokens
+    with ``sampling["logprobs"]`` top log-probs, then, if the round goes on, a second
+    request from prompt + those tokens with the sampled token's log-prob only."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -295,13 +303,22 @@ async def raw_vllm(engine, prompts: list[list[int]], concurrency: int, target_to
         nonlocal count
         j = 0
         while count < target_tokens:
-            params = SamplingParams(n=1, seed=i * 100003 + j, detokenize=False, **sampling)
             prompt = prompts[(i + j * concurrency) % len(prompts)]
-            final = None
-            async for out in llm.generate(TokensPrompt(prompt_token_ids=prompt), params,
-                                          f"raw-{i}-{j}-{time.monotonic_ns()}"):
-                final = out
-            count += len(final.outputs[0].token_ids)
+            parts = ([dict(sampling, max_tokens=min(window, sampling["max_tokens"])),
+                      dict(sampling, logprobs=0)] if window else [sampling])
+            got = []
+            for part in parts:
+                part = dict(part, max_tokens=part["max_tokens"] - len(got))
+                params = SamplingParams(n=1, seed=i * 100003 + j, detokenize=False, **part)
+                final = None
+                async for out in llm.generate(TokensPrompt(prompt_token_ids=prompt + got),
+                                              params, f"raw-{i}-{j}-{time.monotonic_ns()}"):
+                    final = out
+                comp = final.outputs[0]
+                got += list(comp.token_ids)
+                count += len(comp.token_ids)
+                if comp.finish_reason != "length" or len(got) >= sampling["max_tokens"]:
+                    break
             rounds.append(len(prompt))
             j += 1
 
