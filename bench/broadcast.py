@@ -11,8 +11,16 @@ bench/results/broadcast.json.
    receiver must at least do to hold its own copy) and into preallocated, already touched
    buffers (``np.copyto``, the machine's memcpy speed). Target: >= 0.5 of the copy.
 2. Generation pause: a real vLLM engine generating continuously (16 requests in flight)
-   takes ``--updates`` in-place weight updates; per update, how long new requests were
-   held (drain of the requests in flight + load), from ``VLLMEngine.last_update``.
+   takes ``--updates`` in-place weight updates in each ``actors.update_mode``, alternating
+   (drain, interrupt, drain, ...: the same engine, its gate switched between updates); per
+   update, how long new requests were held (drain: until the requests in flight end;
+   interrupt: until they stopped at a token boundary; then the load), from
+   ``VLLMEngine.last_update``. Target: interrupt's pause <= 1.3x the load alone. Not in
+   the pause: an interrupted request's re-prefill of prompt + its tokens so far after the
+   update (tens of tokens here).
+
+The last line is ``RESULT broadcast pause_vs_load=<interrupt pause / load, medians>
+vs_fresh_copy=<worst broadcast / copy ratio> target=pause_vs_load<=1.3,vs_fresh_copy>=0.5``.
 """
 
 from __future__ import annotations
@@ -134,13 +142,14 @@ def broadcast_rates(tensors: dict[str, np.ndarray], actors: int, rounds: int) ->
 
 
 async def pause_per_update(model: str, updates: int) -> dict:
-    """Generation pauses while a real vLLM engine takes in-place updates."""
+    """Generation pauses while a real vLLM engine takes in-place updates, per mode."""
     from safetensors.numpy import load_file
 
     from actors.engines.base import GenRequest
     from actors.engines.vllm_engine import VLLMEngine
 
-    engine = await VLLMEngine.create(model, max_model_len=512, kv_cache_gib=0.5, cpu_bind="0")
+    engine = await VLLMEngine.create(model, max_model_len=512, kv_cache_gib=0.5, cpu_bind="0",
+                                     update_mode="interrupt")
     weights = {}
     for f in sorted(Path(model).glob("*.safetensors")):
         weights |= load_file(str(f))
@@ -154,22 +163,32 @@ async def pause_per_update(model: str, updates: int) -> dict:
         return n
 
     loops = [asyncio.create_task(generate_forever(i)) for i in range(16)]
-    pauses = []
+    pauses: dict[str, list] = {"drain": [], "interrupt": []}
     try:
         await asyncio.sleep(2.0)
-        for v in range(1, updates + 1):
+        for v in range(1, 2 * updates + 1):
+            mode = "drain" if v % 2 else "interrupt"
+            engine._gate.mode = mode  # actors.update_mode, switched on the same engine
             await engine.update_weights({n: a * (1 + 1e-3 * v) for n, a in weights.items()}, v)
-            pauses.append(engine.last_update)
+            pauses[mode].append(engine.last_update)
             await asyncio.sleep(0.5)
     finally:
         stop = True
         await asyncio.gather(*loops)
+        stats = engine.stats()
         await engine.close()
     mb = sum(a.nbytes for a in weights.values()) / MB
-    med = {k: statistics.median(p[k] for p in pauses) for k in ("paused_s", "drain_s", "load_s",
-                                                                   "write_s")}
-    return {"model": model, "weights_MB": mb, "updates": updates, "median": med,
-            "max_paused_s": max(p["paused_s"] for p in pauses)}
+    out = {"model": model, "weights_MB": mb, "updates_per_mode": updates,
+           "interrupted_calls": stats["interrupted_calls"]}
+    for mode, rows in pauses.items():
+        out[mode] = {"median": {k: statistics.median(p[k] for p in rows)
+                                for k in ("paused_s", "drain_s", "load_s", "write_s")},
+                     "max_paused_s": max(p["paused_s"] for p in rows)}
+    m = out["interrupt"]["median"]
+    out["pause_vs_load"] = m["paused_s"] / m["load_s"]
+    out["drain_pause_vs_load"] = (out["drain"]["median"]["paused_s"]
+                                  / out["drain"]["median"]["load_s"])
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -178,7 +197,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--actors", default="1,4", help="actor counts")
     p.add_argument("--rounds", type=int, default=5, help="broadcasts per setting (best kept)")
     p.add_argument("--pause-model", default="512x3", help="hidden x layers of the vLLM model")
-    p.add_argument("--updates", type=int, default=10, help="weight updates for the pause")
+    p.add_argument("--updates", type=int, default=10,
+                   help="weight updates per update mode for the pause")
     p.add_argument("--out", default=None, help="results file")
     a = p.parse_args(argv)
     out: dict = {"broadcast": [], "target": 0.5}
@@ -200,14 +220,21 @@ def main(argv: list[str] | None = None) -> dict:
                   flush=True)
     hidden, layers = (int(x) for x in a.pause_model.split("x"))
     model = str(ensure_tiny(f"{SCRATCH_DIR}/model_h{hidden}_l{layers}", hidden, layers))
-    out["pause"] = asyncio.run(pause_per_update(model, a.updates))
-    m = out["pause"]["median"]
-    print(f"generation pause per update ({out['pause']['weights_MB']:.0f} MB, vLLM, 16 requests "
-          f"in flight): median {1e3 * m['paused_s']:.0f} ms (drain {1e3 * m['drain_s']:.0f} ms + "
-          f"load {1e3 * m['load_s']:.0f} ms; the file write before it, "
-          f"{1e3 * m['write_s']:.0f} ms, does not pause), max "
-          f"{1e3 * out['pause']['max_paused_s']:.0f} ms")
+    out["pause"] = pause = asyncio.run(pause_per_update(model, a.updates))
+    for mode in ("drain", "interrupt"):
+        m = pause[mode]["median"]
+        print(f"generation pause per update, {mode} ({pause['weights_MB']:.0f} MB, vLLM, 16 "
+              f"requests in flight): median {1e3 * m['paused_s']:.0f} ms (waiting for the "
+              f"requests {1e3 * m['drain_s']:.0f} ms + load {1e3 * m['load_s']:.0f} ms; the file "
+              f"write before it, {1e3 * m['write_s']:.0f} ms, does not pause), max "
+              f"{1e3 * pause[mode]['max_paused_s']:.0f} ms")
+    print(f"interrupt pause / load = {pause['pause_vs_load']:.2f} (drain: "
+          f"{pause['drain_pause_vs_load']:.2f}); {pause['interrupted_calls']:.0f} calls resumed")
     write_results("broadcast", out, a.out)
+    worst = min(r["vs_fresh_copy"] for r in out["broadcast"])
+    met = pause["pause_vs_load"] <= 1.3 and worst >= 0.5
+    print(f"RESULT broadcast pause_vs_load={pause['pause_vs_load']:.2f} vs_fresh_copy={worst:.2f} "
+          f"target=pause_vs_load<=1.3,vs_fresh_copy>=0.5 {'met' if met else 'missed'}")
     return out
 
 

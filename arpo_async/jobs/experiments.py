@@ -22,8 +22,10 @@ trajectories_per_s, groups_per_s, model_tokens_per_s: trained leaves, groups and
 tokens of steps 2..N over that window; learner_busy_frac: sum of (step_time_s - wait_s)
 over the window, learner_wait_frac: sum of wait_s over it; actor_idle_frac: slot time
 spent waiting for a ticket (admission), actor_blocked_frac: slot time blocked sending
-(backpressure), both sum(idle) / sum(elapsed * concurrent_groups) over actors from their
-last stats; staleness_mean/max over trained groups; dropped_stale and dropped_other
+(backpressure), both sum(idle) / sum(elapsed * slots) over actors from their last stats,
+where slots is 1 (the admission loop) with trajectory-level scheduling and
+actors.concurrent_groups with group slots (``admission_slots``); generating_frac: the
+actors' time-averaged trajectories generating over their actors.max_inflight_trajectories; staleness_mean/max over trained groups; dropped_stale and dropped_other
 (groups dropped for a reason other than staleness, stopping excluded) and
 dropped_at_stop (in flight when the run ended); reward_last and accuracy_last: mean of
 the last three steps; ledger_ok: every actor's sent == received == trained + dropped.
@@ -45,8 +47,8 @@ REPO = Path(__file__).resolve().parents[2]
 COLUMNS = [
     "name", "mode", "actors", "max_staleness", "engine", "status", "steps", "wall_time_s",
     "window_s", "trajectories_per_s", "groups_per_s", "model_tokens_per_s", "learner_busy_frac",
-    "learner_wait_frac", "actor_idle_frac", "actor_blocked_frac", "staleness_mean",
-    "staleness_max", "dropped_stale", "dropped_other", "dropped_at_stop", "reward_first",
+    "learner_wait_frac", "actor_idle_frac", "actor_blocked_frac", "generating_frac",
+    "staleness_mean", "staleness_max", "dropped_stale", "dropped_other", "dropped_at_stop", "reward_first",
     "reward_last", "accuracy_last", "ledger_ok",
 ]
 _GRID_KEYS = ("actors.num", "learner.max_staleness")
@@ -89,9 +91,22 @@ def _actor_fractions(service: dict, slots: int) -> tuple[float, float]:
     return idle / slot_s, blocked / slot_s
 
 
+def admission_slots(cfg) -> int:
+    """The loops that ask for tickets in one actor: one scheduler, or the group slots."""
+    return 1 if cfg.actors.max_inflight_trajectories > 0 else cfg.actors.concurrent_groups
+
+
+def _generating_frac(service: dict) -> float:
+    shares = [float(v) / float(service[k[: -len("_mean")] + "_target"])
+              for k, v in service.items()
+              if k.startswith("actor") and k.endswith("/generating_mean")
+              and float(service.get(k[: -len("_mean")] + "_target", 0) or 0) > 0]
+    return sum(shares) / len(shares) if shares else float("nan")
+
+
 def summarize_run(run_dir: str | Path, slots: int) -> tuple[dict, dict]:
     """(row, series) of one finished run folder; see the module docstring for the
-    definitions. ``slots`` is ``actors.concurrent_groups``. Missing files give NaNs and
+    definitions. ``slots`` is ``admission_slots(cfg)``. Missing files give NaNs and
     ``ledger_ok`` False, never an exception."""
     from arpo_async.core.metrics import read_metrics
 
@@ -121,6 +136,7 @@ def summarize_run(run_dir: str | Path, slots: int) -> tuple[dict, dict]:
     row["staleness_max"] = max(r["staleness_max"] for r in rows)
     service = learner.get("service") or rows[-1].get("service", {})
     row["actor_idle_frac"], row["actor_blocked_frac"] = _actor_fractions(service, slots)
+    row["generating_frac"] = _generating_frac(service)
     dropped = dict(service.get("dropped", {}))
     row["dropped_at_stop"] = dropped.pop("shutdown", 0)
     row["dropped_stale"] = dropped.pop("stale", 0)
@@ -216,7 +232,7 @@ def sweep(args) -> list[dict]:
         t0 = time.time()
         status = launch_run(argv, out / "logs" / f"{name}.log",
                             timeout_s=args.time_limit + args.startup_timeout)
-        row, ser = summarize_run(cfg.run.dir, cfg.actors.concurrent_groups)
+        row, ser = summarize_run(cfg.run.dir, admission_slots(cfg))
         row |= {"name": name, "actors": cfg.actors.num, "max_staleness":
                 cfg.learner.max_staleness, "engine": cfg.actors.engine, "status": status,
                 "mode": "sync (lockstep)" if cfg.learner.max_staleness == 0 else "async"}
