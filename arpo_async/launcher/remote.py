@@ -40,6 +40,7 @@ HOST_LOCAL_KEYS = (
     "model.path", "task.data", "tools.cache_dir", "tools.retriever_url", "actors.threads",
     "actors.kv_cache_gib", "actors.gpu_memory_utilization", "actors.tensor_parallel",
     "actors.enable_prefix_caching", "actors.cuda_graphs", "actors.concurrent_groups",
+    "actors.max_inflight_trajectories",
     "transport.connect_timeout_s",
 )
 _CLIENT_FILES = ("client.key_secret", "server.key")
