@@ -115,7 +115,8 @@ class AgentRollout:
             prompt_tokens=prompt.tokens + path.tokens, max_tokens=min(s.max_new_tokens, budget),
             temperature=s.temperature, top_p=s.top_p, stop_token_ids=self.stop_ids,
             stop=self.stop_strings, logprobs_topk=s.logprobs_topk if read else 0,
-            topk_window=window, seed=int(self.rng.integers(2**31))))
+            topk_window=window if s.topk_window_only else 0,
+            seed=int(self.rng.integers(2**31))))
         path.tokens += res.tokens
         path.mask += [1] * len(res.tokens)
         path.logprobs += list(res.logprobs)

@@ -53,13 +53,13 @@ SCRATCH = SCRATCH_DIR
 
 
 def bench_config(model: str, target: int, group_size: int, extra: list[str],
-                 prefix: bool = False):
+                 prefix: bool = False, slots: int = 32):
     from arpo_async.core.config import SPINE_CONFIG, load_config
 
     return load_config(SPINE_CONFIG, overrides=[
         f"model.path={model}", "actors.engine=vllm", f"actors.max_inflight_trajectories={target}",
-        f"actors.concurrent_groups={max(1, target // group_size)}",
         f"actors.enable_prefix_caching={str(prefix).lower()}",
+        f"actors.concurrent_groups={max(1, slots // group_size)}",
         "rollout.mode=grpo", f"rollout.group_size={group_size}",
         f"rollout.initial_samples={group_size}", "rollout.tool_call_limit=3",
         "sampling.max_new_tokens=64", "sampling.max_response_tokens=256",
@@ -142,7 +142,13 @@ async def run(args) -> dict:
                                          f"scheduler {args.target}, {tag}",
                                          profile=args.profile and not results))
             if args.compare_slots and not pc:
-                slots = bench_config(model, 0, args.group_size, args.overrides, prefix=pc)
+                every = bench_config(model, args.target, args.group_size,
+                                     [*args.overrides, "sampling.topk_window_only=false"])
+                results.append(await measure(every, engine, tokenizer, prompts, args,
+                                             f"scheduler {args.target}, top-20 on every "
+                                             f"token, {tag}", profile=False))
+                slots = bench_config(model, 0, args.group_size, args.overrides, prefix=pc,
+                                     slots=args.target)
                 results.append(await measure(slots, engine, tokenizer, prompts, args,
                                              f"group slots {slots.actors.concurrent_groups}"
                                              f"x{args.group_size}, {tag}", profile=False))

