@@ -24,6 +24,12 @@ SILENT_S = 4  # learner.actor_silent_s of the kill+stall run
 # steps that no assertion looks at.)
 MAX_STEPS = 20
 STALL_STEPS = 6  # a fresh step, 3 steps stopped, the late group's arrival, recovery
+# transport.timeout_s of the kill+stall run: the first stall lasts as long as actor 0's
+# restart (26-33 s here). Past the default 30 s, actor 1's requests time out when it
+# resumes and it says Hello again: its tickets are voided and a retried ticket request is
+# granted anew (seen 2026-12-01: that stall left no late group, a second one was needed).
+# Request timeouts and reconnects are the frozen-learner test's subject, below.
+REQUEST_TIMEOUT_S = 120
 # learner/service.py expire_silent, from the learner's ledger: only an actor with
 # outstanding tickets (granted, group not received) is named
 _RELEASED_ACTOR1 = re.compile(r"actor 1 silent for \d+ s: released its (\d+) tickets")
@@ -118,7 +124,8 @@ def test_killed_actor_restarts_and_a_stalled_one_only_loses_its_late_groups(tiny
               "rollout.mode=grpo", "rollout.group_size=8", "sampling.max_new_tokens=192",
               "sampling.max_response_tokens=192", "learner.batch_groups=2",
               "actors.concurrent_groups=2", f"learner.actor_silent_s={SILENT_S}",
-              "actors.restart_backoff_s=1", "actors.max_restarts=2")
+              "actors.restart_backoff_s=1", "actors.max_restarts=2",
+              f"transport.timeout_s={REQUEST_TIMEOUT_S}")
     run.wait_for("step 2", lambda: run.step() >= 2, 400)
     first = run.pids()
     signal_group(first["actor0"], signal.SIGKILL)
