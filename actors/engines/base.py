@@ -138,7 +138,7 @@ class WeightGate:
         self._in_flight += 1
         self._idle.clear()
         key = self._ids = self._ids + 1
-        if stop is not None and self.mode == "interrupt":
+        if stop is not None:  # used only if the update that comes interrupts
             self._stoppers[key] = stop
         try:
             yield

@@ -123,7 +123,7 @@ def test_killed_actor_restarts_and_a_stalled_one_only_loses_its_late_groups(tiny
     run = Run(tmp_path / "run", tiny_model_dir, "actors.num=2", f"learner.max_steps={MAX_STEPS}",
               "rollout.mode=grpo", "rollout.group_size=8", "sampling.max_new_tokens=192",
               "sampling.max_response_tokens=192", "learner.batch_groups=2",
-              "actors.concurrent_groups=2", f"learner.actor_silent_s={SILENT_S}",
+              "actors.max_inflight_trajectories=16", f"learner.actor_silent_s={SILENT_S}",
               "actors.restart_backoff_s=1", "actors.max_restarts=2",
               f"transport.timeout_s={REQUEST_TIMEOUT_S}")
     run.wait_for("step 2", lambda: run.step() >= 2, 400)
@@ -210,7 +210,9 @@ def test_a_learner_frozen_past_the_request_timeout_loses_no_capacity(tiny_model_
     the grants nobody waits for (else each flap leaks admission capacity for good)."""
     run = Run(tmp_path / "run", tiny_model_dir, "actors.num=2", "actors.engine=transformers",
               "learner.max_steps=12", "rollout.mode=grpo", "rollout.group_size=4",
-              "transport.timeout_s=1.5", "learner.wait_timeout_s=60")
+              "transport.timeout_s=1.5", "learner.wait_timeout_s=60",
+              # group slots: each holds at most one ticket, so the bound below is exact
+              "actors.max_inflight_trajectories=0", "actors.concurrent_groups=4")
     run.wait_for("step 2", lambda: run.step() >= 2, 300)
     learner = run.pids()["learner"]
     signal_group(learner, signal.SIGSTOP)
