@@ -154,7 +154,8 @@ async def test_a_straggler_does_not_hold_the_next_groups_back(engine, model, tmp
 
         if target:
             await run.until(lambda: watch(lambda: peak >= 3), what="a third group in flight")
-            assert run.actor.rollout.occupancy.count <= target
+            # a group is admitted while fewer than 8 generate: at most a group past it
+            assert run.actor.rollout.occupancy.count <= target + GROUP - 1
         else:
             await run.until(lambda: watch(lambda: run.actor.groups_sent >= sent0 + 3),
                             what="3 groups from the free slot")
