@@ -289,6 +289,9 @@ class VLLMEngine:
             finish, reason = comp.finish_reason or "abort", comp.stop_reason
             if finish == "abort" and stopped:
                 interruptions += 1  # a weight update stopped it: resume under the new weights
+                if len(req.prompt_tokens) + len(tokens) >= self.max_model_len:
+                    finish, reason = "length", None  # no room left to resume in
+                    break
                 continue
             if finish == "stop" and reason in extra:
                 if not comp.text.startswith(reason):
