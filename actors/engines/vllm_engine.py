@@ -252,6 +252,9 @@ class VLLMEngine:
         stops, reason, finish, interruptions = list(req.stop), None, "length", 0
         window = req.topk_window if 0 < req.topk_window < req.max_tokens else 0
         while len(tokens) < req.max_tokens:
+            if tokens and len(req.prompt_tokens) + len(tokens) >= self.max_model_len:
+                finish, reason = "length", None  # no room left for another segment
+                break
             in_window = window == 0 or len(tokens) < window
             k = max(0, req.logprobs_topk) if in_window else 0
             limit = (window if window and in_window else req.max_tokens) - len(tokens)
@@ -289,9 +292,6 @@ class VLLMEngine:
             finish, reason = comp.finish_reason or "abort", comp.stop_reason
             if finish == "abort" and stopped:
                 interruptions += 1  # a weight update stopped it: resume under the new weights
-                if len(req.prompt_tokens) + len(tokens) >= self.max_model_len:
-                    finish, reason = "length", None  # no room left to resume in
-                    break
                 continue
             if finish == "stop" and reason in extra:
                 if not comp.text.startswith(reason):
