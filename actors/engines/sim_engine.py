@@ -159,7 +159,7 @@ class SimulatedEngine:
             reason = None
         versions: list[int] = []
         interruptions = 0
-        while len(versions) < len(tokens) or not versions and not tokens:
+        while True:  # ends when the round is paced whole (a stop only pauses it)
             stopped = []
             async with self._gate.call(stop=lambda flag=stopped: flag.append(True)):
                 version = self.version
