@@ -72,15 +72,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             from arpo_async.launcher.plan import dry_run
 
-            return dry_run(args)
+            from arpo_async.jobs.preflight import prepare_run
+
+            return dry_run(args, prepare_run)
         if _is_pipeline(args):
             from arpo_async.jobs.pipeline import run
 
             return run(args)
-        from arpo_async.jobs.tiny_model import resolve_model_path
+        from arpo_async.jobs.preflight import prepare_run
         from arpo_async.launcher.supervisor import LaunchRequest, launch
 
-        return launch(LaunchRequest(**vars(args)), model_path=resolve_model_path)
+        return launch(LaunchRequest(**vars(args)), prepare=prepare_run)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2

@@ -15,7 +15,7 @@ A tool is a class with
   metrics as ``<name>.<key>``).
 
 A custom tool (``tools.custom``, docs/tools.md) is constructed without arguments; the
-class is checked when the config is loaded (``arpo_async.core.tool_classes``). Every call
+class is checked before a run starts (``toolenv.tool_classes``). Every call
 goes through ``toolenv.runner.ToolRunner`` (cache, rate limit, concurrency limit,
 timeout, retries, metrics); ``toolenv.runner.build_tools`` wires the configured tools.
 """

@@ -241,7 +241,7 @@ def build_tools(cfg: ToolsConfig, run_dir: str | Path) -> ToolRunner:
 
 def custom_tools(cfg: ToolsConfig) -> dict[str, Tool]:
     """Instances of the ``tools.custom`` classes by name (the config checked the classes)."""
-    from arpo_async.core.tool_classes import load_tool_class
+    from toolenv.tool_classes import load_tool_class
 
     out: dict[str, Tool] = {}
     for i, path in enumerate(cfg.custom):

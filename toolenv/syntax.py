@@ -255,7 +255,7 @@ def _argument_problem(spec: ToolSpec, arguments: Any) -> str:
 def tool_specs(cfg: Any) -> list[ToolSpec]:
     """What the model is told about the configured tools (``tools.enabled`` then
     ``tools.custom``), read from their classes: nothing is constructed."""
-    from arpo_async.core.tool_classes import load_tool_class
+    from toolenv.tool_classes import load_tool_class
 
     classes = []
     for name in cfg.enabled:

@@ -36,7 +36,7 @@ DEFAULT_TOOLS = ("python", "search")
 TOOL_TAGS = {name: (f"<{name}>", f"</{name}>") for name in DEFAULT_TOOLS}
 STOP_TAGS = ["</python>", "</search>", "</answer>"]
 RESERVED = frozenset({"think", "result", "answer", "tool_call", "tool_response"})
-TAG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")  # what a tool name must look like
+TAG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")  # a tool's name, also its ARPO tag
 
 _FENCE_RE = re.compile(r"^\s*```[A-Za-z0-9_+-]*[ \t]*\n(.*?)\n?[ \t]*```\s*$", re.DOTALL)
 _BOXED = "\\boxed{"

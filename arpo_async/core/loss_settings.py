@@ -1,34 +1,28 @@
-"""The policy loss's settings, defined once (pure: stdlib only).
+"""The policy loss's settings as learner/losses.py takes them (pure: stdlib only).
 
-``learner.loss`` in the config is built from these fields, with their defaults and
-descriptions (arpo_async/core/config.py, ``LossConfig``), and learner/losses.py takes a
-``LossSettings`` as it is: a knob added here is a config key, validated at start-up."""
+Each field is a ``learner.loss`` config key of the same name and default, described in
+arpo_async/core/config/learner.py (``LossConfig``); tests/unit/test_config_rules.py checks
+that the two agree, so a knob added here without its key fails there."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
-
-
-def _knob(default, doc: str):
-    return field(default=default, metadata={"doc": doc})
 
 
 @dataclass(frozen=True)
 class LossSettings:
-    eps_low: float = _knob(0.2, "PPO clip below 1")
-    eps_high: float = _knob(0.28, "PPO clip above 1")
-    dual_clip: float = _knob(0.0, "dual-clip constant c for A<0 (0: off, else > 1; 3 typical)")
-    is_mode: Literal["truncate", "mask", "off"] = _knob(
-        "truncate", "importance weight: truncated, mask outside [lo, hi], or 1")
-    is_cap: float = _knob(2.0, "C: truncation cap of the IS weight")
-    is_mask_low: float = _knob(0.5, "mask mode: lower bound of exp(prox - mu)")
-    is_mask_high: float = _knob(2.0, "mask mode: upper bound of exp(prox - mu)")
-    kl_coef: float = _knob(0.0, "k3 KL to a frozen copy of the initial weights, loaded on "
-                           "the learner when > 0 (0 in ARPO and AEPO)")
-    entropy_coef: float = _knob(0.0, "entropy bonus (0 in ARPO)")
-    aepo_entropy_clip: bool = _knob(False, "AEPO: entropy-balanced clipping")
-    aepo_entropy_adv_gamma: float = _knob(0.0, "AEPO: entropy-aware advantage gamma")
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    dual_clip: float = 0.0
+    is_mode: Literal["truncate", "mask", "off"] = "truncate"
+    is_cap: float = 2.0
+    is_mask_low: float = 0.5
+    is_mask_high: float = 2.0
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    aepo_entropy_clip: bool = False
+    aepo_entropy_adv_gamma: float = 0.0
 
     def __post_init__(self) -> None:
         if self.is_mode not in ("truncate", "mask", "off"):

@@ -68,7 +68,8 @@ FRAMES_PER_FAULT = 200
 DEFAULTS = ["pipeline.enabled=false", "learner.checkpoint_every=5",
             "learner.keep_checkpoints=100000", "learner.max_steps=1000000",
             "learner.max_restarts=100000", "actors.max_restarts=100000",
-            "actors.restart_backoff_s=1", "learner.actor_silent_s=5"]
+            "actors.restart_backoff_s=1", "learner.restart_backoff_s=1",
+            "learner.actor_silent_s=5"]
 
 
 def add_arguments(p) -> None:

@@ -11,10 +11,10 @@ Checks (each a row of the table and of RUN_DIR/chaos_verdict.json):
   against its bound. Faults that overlap add up, so each gap has its own bound:
   ``step_s + learner.actor_silent_s + sum(cost of the faults acting during the gap)``.
   A fault acts from its injection for as long as it lasts (``fault_effect``), so one
-  injected just before a gap counts too: ``restart_s = min(30, actors.restart_backoff_s *
-  2**(R-1)) + startup_s`` for a killed actor, learner or launcher (R: the most restarts of
-  one role, events.jsonl; startup_s: the role start-up allowance of the soak,
-  ``--startup-s``); the stall for a stopped actor; the window plus one slowed call (at
+  injected just before a gap counts too: ``restart_s = min(30, b * 2**(R-1)) + startup_s``
+  for a killed actor, learner or launcher (b: the larger of ``actors.restart_backoff_s``
+  and ``learner.restart_backoff_s``; R: the most restarts of one role, events.jsonl;
+  startup_s: the role start-up allowance of the soak, ``--startup-s``); the stall for a stopped actor; the window plus one slowed call (at
   most ``tools.timeout_s``) for a slow tool; the window for a full cache folder (its
   file-size limit also stops the actors writing their weight file, so they cannot load
   new weights until it ends); 0 otherwise. ``step_s`` is the slowest step's own work
@@ -87,7 +87,8 @@ def check_gap(run_dir: Path, cfg, startup_s: float) -> dict:
     faults = _jsonl(run_dir / "chaos.jsonl")
     restarts = max((e.get("restart", 0) for e in _jsonl(run_dir / "events.jsonl")
                     if e.get("event") == "restart"), default=1)
-    backoff = min(RESTART_CAP_S, cfg.actors.restart_backoff_s * 2.0 ** max(restarts - 1, 0))
+    base = max(cfg.actors.restart_backoff_s, cfg.learner.restart_backoff_s)
+    backoff = min(RESTART_CAP_S, base * 2.0 ** max(restarts - 1, 0))
     restart_s = backoff + startup_s
     if len(rows) < 2:
         return {"ok": False, "value": f"{len(rows)} steps: no gap to measure"}

@@ -134,7 +134,7 @@ def run_eval(cfg: Config, model_path: str, retriever_url: str, out: Path) -> dic
 
 def run_rl(cfg: Config, run_dir: Path, sft_path: str, retriever_url: str, quiet: bool) -> dict:
     from arpo_async.core.rundir import latest_checkpoint
-    from arpo_async.jobs.tiny_model import resolve_model_path
+    from arpo_async.jobs.preflight import prepare_run
     from arpo_async.launcher.supervisor import LaunchRequest, launch
 
     started = (run_dir / "config.yaml").exists()
@@ -148,7 +148,7 @@ def run_rl(cfg: Config, run_dir: Path, sft_path: str, retriever_url: str, quiet:
         save_config(rl_cfg, args.config)
     elif args.resume:
         _say(f"rl: continuing the RL run in {run_dir} from its newest checkpoint")
-    code = launch(args, model_path=resolve_model_path)
+    code = launch(args, prepare=prepare_run)
     ckpt = latest_checkpoint(run_dir)
     if code != 0 or ckpt is None:
         raise RuntimeError(f"the RL stage failed (exit code {code}, newest checkpoint "

@@ -333,8 +333,9 @@ def format_plan(cfg: Config, roles: list[RoleSpec], notes: list[str]) -> str:
     return "\n".join(out)
 
 
-def dry_run(args) -> int:
-    """``launch --dry-run``: validate, print the plan, start nothing."""
+def dry_run(args, prepare=None) -> int:
+    """``launch --dry-run``: validate (with ``prepare``, the entry point's preflight, in
+    its dry-run form: nothing is built), print the plan, start nothing."""
     from arpo_async.core.config import load_config
 
     if getattr(args, "resume", None):
@@ -342,6 +343,8 @@ def dry_run(args) -> int:
     else:
         cfg = load_config(args.config, args.overrides)
     cfg.check_trainable()
+    if prepare is not None:
+        prepare(cfg, True)
     port = cfg.cluster.master_port or DEFAULT_MASTER_PORT
     roles = plan(cfg, Path(cfg.run.dir) / "config.yaml", master_port=port)
     notes = check_placement(cfg) + _path_notes(cfg)

@@ -240,5 +240,4 @@ def main(argv: list[str] | None = None) -> int:
                OMP_NUM_THREADS=str(cfg.actors.threads))
     cmd = [sys.executable, "-m", "actors.main", "--config", str(config_path),
            "--actor-id", str(actor_id)]
-    return run_child(cmd, env, cfg.actors.max_restarts,
-                     getattr(cfg.actors, "restart_backoff_s", 2.0))
+    return run_child(cmd, env, cfg.actors.max_restarts, cfg.actors.restart_backoff_s)

@@ -50,13 +50,15 @@ class LaunchRequest:
     dry_run: bool = False  # validate only: no model is built, nothing starts
 
 
-ModelResolver = Callable[[Config], str]  # config -> the model folder (or hub name) to run
+# Checks the config and fixes cfg.model.path, building nothing on a dry run (the bool); the
+# entry point passes arpo_async/jobs/preflight.py's prepare_run, raising ConfigError.
+Preflight = Callable[[Config, bool], None]
 
 
-def resolve(args: LaunchRequest, model_path: ModelResolver | None = None) -> Config:
-    """Load and fix everything that must be the same in every process: the ports, and the
-    model folder ``model_path`` gives (the entry point builds the tiny local model there
-    when ``model.path`` does not exist, arpo_async/jobs/tiny_model.py)."""
+def resolve(args: LaunchRequest, prepare: Preflight | None = None) -> Config:
+    """Load and fix everything that must be the same in every process: the ports, and
+    what ``prepare`` checks and resolves (the model folder, built when missing; the custom
+    tools; prompt lengths against ``model.max_model_len``)."""
     if args.resume:
         path = Path(args.resume) / "config.yaml"
         if not path.is_file():
@@ -68,11 +70,8 @@ def resolve(args: LaunchRequest, model_path: ModelResolver | None = None) -> Con
         cfg.run.quiet = True
     cfg.check_trainable()
     _check_security(cfg)
-    if model_path is not None and not args.dry_run:
-        try:
-            cfg.model.path = model_path(cfg)
-        except (FileNotFoundError, ValueError, OSError) as exc:
-            raise ConfigError(str(exc).splitlines()[0]) from None
+    if prepare is not None:
+        prepare(cfg, args.dry_run)
     t = cfg.transport
     if t.trajectory_port == 0:
         t.trajectory_port = _free_port(t.host)
@@ -254,8 +253,8 @@ def _raise_terminated(signum, frame) -> None:
     raise Terminated(signal.Signals(signum).name)
 
 
-def launch(args: LaunchRequest, model_path: ModelResolver | None = None) -> int:
-    cfg = resolve(args, model_path)
+def launch(args: LaunchRequest, prepare: Preflight | None = None) -> int:
+    cfg = resolve(args, prepare)
     run_dir = Path(cfg.run.dir)
     config_path = run_dir / "config.yaml"
     specs = process_plan(cfg, config_path, master_port=_master_port(cfg))
@@ -352,7 +351,7 @@ def _watch(cfg: Config, roles: list[Role], progress, run_dir: Path,
             learner.restarts += 1
             _signal_group(learner.proc, signal.SIGKILL)  # torchrun ranks left behind
             learner.cmd = _with_resume(learner.cmd, cfg.cluster.master_port)
-            due[learner.name] = now + _backoff(cfg.actors.restart_backoff_s, learner.restarts)
+            due[learner.name] = now + _backoff(cfg.learner.restart_backoff_s, learner.restarts)
             from arpo_async.core.rundir import latest_checkpoint
 
             ckpt = latest_checkpoint(run_dir)
@@ -388,7 +387,7 @@ def _watch(cfg: Config, roles: list[Role], progress, run_dir: Path,
         if learner_done_at is not None:
             if all(a.proc.poll() is not None for a in actors):
                 return "ok", ""
-            if time.time() - learner_done_at > cfg.transport.timeout_s:
+            if time.time() - learner_done_at > cfg.actors.stop_wait_s:
                 return "ok", ""  # stragglers are stopped by the caller
 
 

@@ -59,3 +59,31 @@ def test_entropy_reduce_defaults_to_the_authors_sum():
     assert cfg.rollout.entropy_reduce == "sum" and cfg.rollout.aepo_budget_beta == 0.5
     with pytest.raises(ConfigError, match="rollout.entropy_reduce"):
         load_config(SPINE_CONFIG, ["rollout.entropy_reduce=max"])
+
+
+def test_loss_keys_and_the_loss_settings_agree():
+    """learner.loss declares each LossSettings field with the same type and default (and
+    a description), so no knob of the loss lacks its key or differs in its default."""
+    import dataclasses
+    import typing
+
+    from arpo_async.core.config import LossConfig
+    from arpo_async.core.loss_settings import LossSettings
+
+    hints = typing.get_type_hints(LossSettings)
+    for f in dataclasses.fields(LossSettings):
+        key = LossConfig.model_fields.get(f.name)
+        assert key is not None, f"learner.loss.{f.name} is not declared"
+        assert key.default == f.default and key.annotation == hints[f.name], f.name
+        assert key.description, f.name
+    extra = set(LossConfig.model_fields) - {f.name for f in dataclasses.fields(LossSettings)}
+    assert extra == {"proximal", "advantage"}  # read by the learner around the loss
+
+
+def test_each_wait_and_backoff_has_its_own_key():
+    cfg = load_config(SPINE_CONFIG, ["actors.restart_backoff_s=1", "learner.restart_backoff_s=7",
+                                     "transport.timeout_s=3", "actors.stop_wait_s=11",
+                                     "learner.shutdown_wait_s=13"])
+    assert (cfg.actors.restart_backoff_s, cfg.learner.restart_backoff_s) == (1, 7)
+    assert (cfg.transport.timeout_s, cfg.actors.stop_wait_s,
+            cfg.learner.shutdown_wait_s) == (3, 11, 13)

@@ -9,6 +9,7 @@ import textwrap
 import pytest
 
 from arpo_async.core.config import ConfigError, ToolsConfig, load_config
+from arpo_async.jobs.preflight import prepare_run
 from toolenv.runner import build_tools
 
 CALC = "examples.tools.calculator:Calculator"
@@ -132,9 +133,19 @@ def test_bad_custom_tools_fail_at_start_up_in_one_line(almost, entry, message, c
 
 
 def test_two_custom_tools_with_one_name(almost):
+    cfg = load_config(SPINE, [f"tools.custom=[{almost}:Slow, {almost}:Slow]"])
     with pytest.raises(ConfigError, match=rf"^tools.custom\[1\]={almost}:Slow: tool name 'slow' "
                        rf"is already taken by tools.custom \({almost}:Slow\)$"):
-        load_config(SPINE, [f"tools.custom=[{almost}:Slow, {almost}:Slow]"])
+        prepare_run(cfg, dry_run=True)
+
+
+def test_reading_a_config_imports_no_tool_class():
+    """Only the form of a tools.custom entry is checked while a config is read; the class
+    is imported where the run is resolved (a config file names any module)."""
+    cfg = load_config(SPINE, ["tools.custom=[no_such_module_anywhere:Tool]"])
+    assert cfg.tools.custom == ["no_such_module_anywhere:Tool"]
+    with pytest.raises(ConfigError, match=r"^tools.custom\[0\]=not_a_path: expected module:Class$"):
+        load_config(SPINE, ["tools.custom=[not_a_path]"])
 
 
 def test_a_constructor_that_fails_is_one_line(tmp_path, almost):

