@@ -196,8 +196,7 @@ class Actor:
         # the actor's own figures next to the rollout's (branch/*), never instead of them
         group.stats = {**group.stats, "gen_s": time.time() - group.created_at,
                        "pid": float(os.getpid()), "data_pos": float(pos)}
-        group.sent_at = time.time()
-        await self.sender.send(group)
+        await self.sender.send(group)  # stamps sent_at
         self._in_flight.discard(pos)
         self.groups_sent += 1
         self.model_tokens += sum(int(leaf.loss_mask.sum()) for leaf in group.leaves)

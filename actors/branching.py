@@ -165,9 +165,6 @@ class BranchPlanner:
         self._p_min, self._p_max = math.inf, -math.inf
 
     # ------------------------------------------------------------------ queries
-    def initial_count(self) -> int:
-        return self._initial
-
     @property
     def live(self) -> frozenset[int]:
         return frozenset(self._live)

@@ -223,20 +223,26 @@ def to_roles(cfg: Config, specs: list[RoleSpec]) -> list[Role]:
             for s in specs if s.local]
 
 
-def plan(cfg: Config, config_path: Path) -> list[Role]:
-    """What this launcher starts: arpo_async/launcher/plan.py's local roles, learner first, so a
-    real run starts exactly what ``--dry-run`` prints (with a free rendezvous port when
-    ``cluster.master_port`` is 0)."""
-    return to_roles(cfg, process_plan(cfg, config_path, master_port=_master_port(cfg)))
+def plan(cfg: Config, config_path: Path, resume: bool = False
+         ) -> tuple[list[Role], list[RoleSpec]]:
+    """What ``launch`` starts and what it leaves to other machines: arpo_async/launcher/plan.py's
+    roles, the local ones as processes (learner first) and the remote ones as specs whose
+    commands are printed, so a real run starts exactly what ``--dry-run`` prints (with a
+    free rendezvous port when ``cluster.master_port`` is 0). ``resume``: the learner
+    continues from its newest checkpoint."""
+    specs = process_plan(cfg, config_path, master_port=_master_port(cfg))
+    roles = to_roles(cfg, specs)
+    if resume:
+        roles[0].cmd = _with_resume(roles[0].cmd, cfg.cluster.master_port)
+    return roles, [s for s in specs if not s.local]
 
 
 def _master_port(cfg: Config) -> int:
     return cfg.cluster.master_port or _free_port("127.0.0.1")
 
 
-def _print_remote(specs: list[RoleSpec]) -> None:
+def _print_remote(remote: list[RoleSpec]) -> None:
     """The commands of the actors the user starts on other machines."""
-    remote = [s for s in specs if not s.local]
     if not remote:
         return
     print(f"start these {len(remote)} actor(s) on their machines (after the learner is up):",
@@ -257,10 +263,7 @@ def launch(args: LaunchRequest, prepare: Preflight | None = None) -> int:
     cfg = resolve(args, prepare)
     run_dir = Path(cfg.run.dir)
     config_path = run_dir / "config.yaml"
-    specs = process_plan(cfg, config_path, master_port=_master_port(cfg))
-    roles = to_roles(cfg, specs)
-    if args.resume:
-        roles[0].cmd = _with_resume(roles[0].cmd, cfg.cluster.master_port)
+    roles, remote = plan(cfg, config_path, resume=bool(args.resume))
     run_dir.mkdir(parents=True, exist_ok=True)
     events = Events(run_dir)
     if args.resume:
@@ -270,7 +273,7 @@ def launch(args: LaunchRequest, prepare: Preflight | None = None) -> int:
         from arpo_async.core.dsops import prebuild_deepspeed_ops
 
         prebuild_deepspeed_ops()
-    _print_remote(specs)
+    _print_remote(remote)
     from arpo_async.launcher.progress import Progress
 
     progress = Progress(cfg)

@@ -221,9 +221,10 @@ def test_launcher_groups_simulated_actors(tmp_path):
 
     cfg = load_config(SPINE_CONFIG, overrides=["actors.engine=simulated", "actors.num=5",
                                  "sim.actors_per_process=2", f"run.dir={tmp_path}"])
-    roles = plan(cfg, tmp_path / "config.yaml")
+    roles, _ = plan(cfg, tmp_path / "config.yaml")
     assert [r.name for r in roles] == ["learner", "actors0-1", "actors2-3", "actors4-4"]
     assert roles[3].cmd[1:] == ["-m", "actors.main", "--config",
                                 str(tmp_path / "config.yaml"), "--actor-ids", "4-4"]
     cfg.actors.engine = "vllm"  # real engines: one process per actor, whatever sim says
-    assert [r.name for r in plan(cfg, tmp_path / "c.yaml")][1:] == [f"actor{i}" for i in range(5)]
+    roles, _ = plan(cfg, tmp_path / "c.yaml")
+    assert [r.name for r in roles][1:] == [f"actor{i}" for i in range(5)]

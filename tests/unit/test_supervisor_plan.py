@@ -1,7 +1,7 @@
-"""The launcher starts what ``--dry-run`` prints: arpo_async/launcher/supervisor.py builds its
-processes from arpo_async/launcher/plan.py's local roles (commands, environment, logs), prints the
-remote ones, and rewrites the learner command for a restart with ``--resume``. No process
-is started here."""
+"""The launcher starts what ``--dry-run`` prints: ``supervisor.plan``, the function
+``launch`` calls, builds its processes from arpo_async/launcher/plan.py's local roles
+(commands, environment, logs), hands back the remote ones to print, and rewrites the
+learner command for a restart with ``--resume``. No process is started here."""
 
 from __future__ import annotations
 
@@ -38,8 +38,10 @@ CONFIG = Path("runs/t/config.yaml")
 
 
 def test_default_config_roles_are_the_plans(tmp_path):
-    cfg = load_config(SPINE_CONFIG, [f"run.dir={tmp_path}", "learner.threads=3", "actors.threads=2"])
-    roles = supervisor.plan(cfg, CONFIG)
+    cfg = load_config(SPINE_CONFIG, [f"run.dir={tmp_path}", "learner.threads=3",
+                                     "actors.threads=2"])
+    roles, remote = supervisor.plan(cfg, CONFIG)
+    assert remote == []
     _assert_same(cfg, roles, process_plan(cfg, CONFIG))
     learner, *actors = roles
     assert learner.env["OMP_NUM_THREADS"] == "3" and learner.env["PYTHONUNBUFFERED"] == "1"
@@ -50,21 +52,24 @@ def test_default_config_roles_are_the_plans(tmp_path):
 
 def test_two_learner_ranks_get_a_free_rendezvous_port_unless_one_is_fixed(tmp_path):
     cfg = config_from_dict({"run": {"dir": str(tmp_path)}, "learner": {"world_size": 2}})
-    roles = supervisor.plan(cfg, CONFIG)
+    roles, remote = supervisor.plan(cfg, CONFIG)
+    assert remote == []
     port = _port_of(roles[0].cmd)
     assert port and roles[0].cmd[2] == "torch.distributed.run"
     _assert_same(cfg, roles, process_plan(cfg, CONFIG, master_port=port))
 
     cfg.cluster.master_port = 29123
-    roles = supervisor.plan(cfg, CONFIG)
+    roles, remote = supervisor.plan(cfg, CONFIG)
+    assert remote == []
     assert _port_of(roles[0].cmd) == 29123
     _assert_same(cfg, roles, process_plan(cfg, CONFIG, master_port=29123))
 
 
 def test_simulated_actors_share_processes_as_the_plan_groups_them(tmp_path):
-    cfg = load_config(SPINE_CONFIG, [f"run.dir={tmp_path}", "actors.engine=simulated", "actors.num=5",
-                             "sim.actors_per_process=2"])
-    roles = supervisor.plan(cfg, CONFIG)
+    cfg = load_config(SPINE_CONFIG, [f"run.dir={tmp_path}", "actors.engine=simulated",
+                                     "actors.num=5", "sim.actors_per_process=2"])
+    roles, remote = supervisor.plan(cfg, CONFIG)
+    assert remote == []
     _assert_same(cfg, roles, process_plan(cfg, CONFIG))
     assert [r.name for r in roles] == ["learner", "actors0-1", "actors2-3", "actors4-4"]
 
@@ -80,19 +85,29 @@ def _remote_cfg(tmp_path):
 
 def test_remote_actors_are_printed_not_started(tmp_path, capsys):
     cfg = _remote_cfg(tmp_path)
+    roles, remote = supervisor.plan(cfg, CONFIG)
     specs = process_plan(cfg, CONFIG)
-    roles = supervisor.to_roles(cfg, specs)
     _assert_same(cfg, roles, specs)
     assert [r.name for r in roles] == ["learner", "actor0"]
-    supervisor._print_remote(specs)
+    assert [s.name for s in remote] == [s.name for s in specs[2:]]
+    supervisor._print_remote(remote)
     out = capsys.readouterr().out
     assert "start these 2 actor(s)" in out
-    for spec in specs[2:]:
+    for spec in remote:
         assert not spec.local and spec.host == "node-b"
         assert f"{spec.name} on node-b (cpu): {spec.command()}" in out
         assert "--connect tcp://node-a:29611" in spec.command()
-    supervisor._print_remote(specs[:2])  # nothing remote: nothing printed
+    supervisor._print_remote([])  # nothing remote: nothing printed
     assert capsys.readouterr().out == ""
+
+
+def test_resume_plan_continues_the_learner_and_keeps_the_actors(tmp_path):
+    cfg = config_from_dict({"run": {"dir": str(tmp_path)}, "learner": {"world_size": 2},
+                            "cluster": {"master_port": 29123}})
+    fresh, _ = supervisor.plan(cfg, CONFIG)
+    resumed, _ = supervisor.plan(cfg, CONFIG, resume=True)
+    assert resumed[0].cmd == fresh[0].cmd + ["--resume"]
+    assert [r.cmd for r in resumed[1:]] == [r.cmd for r in fresh[1:]]
 
 
 def test_launcher_refuses_what_the_plan_refuses(tmp_path):
