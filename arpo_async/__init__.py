@@ -11,8 +11,5 @@ The house, from the bottom up (docs/design.md has the whole picture):
     arpo_async/launcher/  starts, watches and restarts the role processes
     arpo_async/jobs/      the jobs around RL: suite, tiny model, SFT, evaluation, pipeline,
                           experiments, plots
-    arpo_async/launch.py  ``python -m arpo_async.launch``, the entry point
-
-The other modules here forward the older commands (``python -m arpo_async.evaluate``)
-to their new homes.
+    arpo_async/launch.py  ``python -m arpo_async.launch`` (``arpo-launch``), the entry point
 """

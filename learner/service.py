@@ -43,18 +43,13 @@ from arpo_async.core.config import Config, total_actors
 from arpo_async.core.staleness import Admission, StalenessFilter
 from arpo_async.core.transport import ControlServer, TrajectoryReceiver
 from learner.config_server import ConfigServer
-from learner.ledger import ActorLedger, Ledger, peer_count
-
-# ActorLedger and _count moved to learner/ledger.py; re-exported for older imports
-__all__ = ["ActorLedger", "LearnerService", "check_group", "_count"]
+from learner.ledger import Ledger
 
 log = logging.getLogger("learner.service")
 
 _SHUTDOWN_QUIET_S = 3.0  # after every Bye, this long without a group means none is coming
 _SHUTDOWN_MAX_S = 300.0  # the longest a learner waits for live actors' Bye at the end
 _LEAVES_PER_GROUP_SIZE = 4  # a group may hold at most this many times rollout.group_size leaves
-
-_count = peer_count
 
 
 def check_group(group: P.TrajectoryGroup, vocab_size: int | None, max_tokens: int | None,

@@ -1,7 +1,7 @@
 """The chaos soak (issue 17): a real training run under continual, seeded random faults,
 then a verdict from the run's own records.
 
-``python -m arpo_async.experiments chaos [--duration-s 1800] [--fault-every-s 45]
+``python -m arpo_async.jobs.experiments chaos [--duration-s 1800] [--fault-every-s 45]
 [--seed 0] [--faults actor_kill,...] [--sft-steps 300] [--startup-s 60] [--grace-s 900]
 [--config F] [key=value ...]``
 

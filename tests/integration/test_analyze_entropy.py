@@ -1,4 +1,4 @@
-"""``python -m arpo_async.analyze entropy`` end to end: the real rollout (transformers
+"""``python -m arpo_async.jobs.analyze entropy`` end to end: the real rollout (transformers
 engine, the sandboxed Python tool) on the benchmarks' tool-calling model, the exact
 entropy from a learner-side forward, both output files."""
 
@@ -26,7 +26,7 @@ def test_entropy_analysis_writes_its_files(tmp_path):
                             for i in range(4)))
     out = tmp_path / "analysis"
     res = subprocess.run(
-        [PY, "-m", "arpo_async.analyze", "entropy", "--model", str(model), "--data", str(data),
+        [PY, "-m", "arpo_async.jobs.analyze", "entropy", "--model", str(model), "--data", str(data),
          "--out", str(out), "--limit", "4", "--k", "2", "--config", "configs/spine.yaml",
          "actors.engine=transformers", "sampling.max_new_tokens=24",
          "sampling.max_response_tokens=160", "rollout.tool_call_limit=3",

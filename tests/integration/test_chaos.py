@@ -1,6 +1,6 @@
 """The chaos soak in CI (issue 17): a short real run (vLLM actors, DeepSpeed learner, the
 Python sandbox pool, the retriever behind its proxy) under a fault every ~20 s, and the
-verdict asserted. ``python -m arpo_async.experiments chaos`` with a small suite and the
+verdict asserted. ``python -m arpo_async.jobs.experiments chaos`` with a small suite and the
 untrained tiny model (no SFT: it seldom calls tools, so the tool faults that need calls,
 cache_full and slow_tool, are left to the soak); faults: learner and launcher kills,
 a stalled actor, garbage frames, retriever and sandbox kills. A vLLM actor's SIGKILL
@@ -21,13 +21,14 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 FAULTS = "learner_kill,launcher_kill,actor_stop,frames,retriever_kill,sandbox_kill"
 SMALL_RUN = ["rollout.mode=grpo", "rollout.group_size=4", "sampling.max_new_tokens=48",
              "sampling.max_response_tokens=96", "learner.batch_groups=2",
-             "actors.max_inflight_trajectories=8", "pipeline.suite_entities=40", "pipeline.suite_sft=20",
-             "pipeline.suite_rl=200", "pipeline.suite_heldout=10", "learner.checkpoint_every=4"]
+             "actors.max_inflight_trajectories=8", "pipeline.suite_entities=40",
+             "pipeline.suite_sft=20", "pipeline.suite_rl=200", "pipeline.suite_heldout=10",
+             "learner.checkpoint_every=4"]
 
 
 def test_a_short_chaos_run_passes_its_verdict(tiny_model_dir, tmp_path):
     run_dir, data = tmp_path / "run", tmp_path / "data"
-    cmd = [PY, "-m", "arpo_async.experiments", "chaos", "--duration-s", "60",
+    cmd = [PY, "-m", "arpo_async.jobs.experiments", "chaos", "--duration-s", "60",
            "--fault-every-s", "20", "--seed", "7", "--faults", FAULTS, "--sft-steps", "0",
            "--startup-s", "40", "--grace-s", "120", f"run.dir={run_dir}",
            f"model.path={tiny_model_dir}", f"pipeline.data_dir={data}",

@@ -17,7 +17,8 @@ from arpo_async.core.config import SPINE_CONFIG, load_config
 from arpo_async.core.protocol import Trajectory, TrajectoryGroup
 from arpo_async.core.rundir import saved_position
 from learner import checkpoint as C
-from learner.service import ActorLedger, _count, check_group
+from learner.ledger import ActorLedger, peer_count
+from learner.service import check_group
 from toolenv.tasks.prompts import PromptSource
 
 
@@ -184,9 +185,9 @@ def test_ledger_survives_a_json_round_trip_and_counts_lost_groups():
 
 
 def test_numbers_from_peers_never_raise():
-    assert _count(12.0, 0) == 12 and _count(3, 0) == 3
+    assert peer_count(12.0, 0) == 12 and peer_count(3, 0) == 3
     for bad in (float("nan"), float("inf"), -1.0, 1e30, True, "7", None):
-        assert _count(bad, 5) == 5, bad
+        assert peer_count(bad, 5) == 5, bad
 
 
 # ----------------------------------------------------------------------------- data position

@@ -5,7 +5,7 @@
     actors    actors/               the core and toolenv
     learner   learner/              the core
     launcher  arpo_async/launcher/  the core (it starts roles as processes, never imports them)
-    jobs      arpo_async/jobs/, arpo_async/launch.py and the forwarders: anything
+    jobs      arpo_async/jobs/ and arpo_async/launch.py: anything
 
 Every import counts, the ones inside functions too (a lazy import is still a
 dependency); only ``if TYPE_CHECKING:`` blocks are left out. No two files may import each
@@ -35,7 +35,7 @@ def layer(module: str) -> str:
     if parts[0] == "arpo_async":
         if len(parts) > 1 and parts[1] in ("core", "launcher"):
             return parts[1]
-        return "jobs"  # arpo_async.jobs.*, the entry point and the forwarders
+        return "jobs"  # arpo_async.jobs.* and the entry point
     return parts[0]
 
 
