@@ -13,16 +13,15 @@ A background task polls for newer weights and loads them without restarting the 
 (``actors.update_mode``: interrupting the requests in flight, which resume under the new
 weights, or draining them); tokens sampled after that carry the new version. Weights
 come over ZeroMQ, or, with ``learner.weight_sync=nccl``, by NCCL broadcast into a vLLM
-GPU actor on the learner's machine (actors/weight_sync.py picks the channel and falls
-back to ZeroMQ).
+GPU actor on the learner's machine (actors/weights/ picks the channel and falls back to
+ZeroMQ).
 
-Surviving a learner restart (issue 7): a request that times out is retried with backoff
-until ``transport.connect_timeout_s`` of silence (ZeroMQ reconnects by itself; finished
-groups wait in the PUSH queue meanwhile); a learner that answers "hello_required" gets a
-new Hello; a learner whose published version is behind this actor's weights (it resumed
-from an older checkpoint) makes the actor load that version before it generates more.
-Data position: the stream continues at ``saved_position`` (RUN_DIR/state.json), and the
-actor reports the earliest prompt it has not yet delivered as ``data_pos``.
+Surviving a learner restart: every request goes through one ``ResilientControl``
+(actors/control.py: retry, Hello again, the learner's version); a learner whose published
+version is behind this actor's weights (it resumed from an older checkpoint) makes the
+actor load that version before it generates more. Data position: the stream continues at
+``saved_position`` (RUN_DIR/state.json), and the actor reports the earliest prompt it has
+not yet delivered as ``data_pos``.
 """
 
 from __future__ import annotations
@@ -30,22 +29,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 import time
 from pathlib import Path
 
+from actors.control import ResilientControl
 from actors.engines.base import GenerationEngine
 from actors.rollout import Occupancy, Rollout
-from actors.weight_sync import WeightSync, ZmqWeights, build_weight_sync
+from actors.weights import build_weight_receiver
+from actors.weights.base import WeightReceiver
+from actors.weights.zeromq import ZmqWeightReceiver
 from arpo_async.core import protocol as P
 from arpo_async.core.metrics import append_jsonl, probe_sequence
 from arpo_async.core.rundir import saved_position
-from arpo_async.core.transport import ControlClient, TrajectorySender, TransportTimeout
+from arpo_async.core.transport.control import ControlClient, TransportTimeout
+from arpo_async.core.transport.trajectory import TrajectorySender
 from toolenv.tasks.prompts import PromptSource
 
 log = logging.getLogger("actor")
-
-_RETRY_S = (0.5, 5.0)  # first and longest wait between retries of an unanswered request
 
 
 class Actor:
@@ -53,7 +53,9 @@ class Actor:
                  source: PromptSource, sender: TrajectorySender, control: ControlClient,
                  vocab_size: int, tools=None):
         self.cfg, self.actor_id, self.engine, self.rollout = cfg, actor_id, engine, rollout
-        self.source, self.sender, self.control, self.tools = source, sender, control, tools
+        self.source, self.sender, self.tools = source, sender, tools
+        self.control = ResilientControl(control, actor_id, lambda: self.engine.version,
+                                        cfg.transport.connect_timeout_s)
         self.vocab_size = vocab_size
         self.stop = False
         self.groups_sent = 0
@@ -66,19 +68,17 @@ class Actor:
         self.max_groups_in_flight = 0
         self.started = time.time()
         self._weights_lock = asyncio.Lock()
-        self._learner_version = -1  # newest version the learner said it publishes
-        self._lost_contact = False  # a request timed out: say Hello when it answers again
         self._in_flight: set[int] = set()  # stream positions of prompts not yet delivered
         self._probe_path = Path(cfg.run.dir) / f"actor{actor_id}_probe.jsonl"
         # ZeroMQ until run() has met the learner and picked the configured channel
-        self.weights: WeightSync = ZmqWeights(_RetriedControl(self), actor_id)
+        self.weights: WeightReceiver = ZmqWeightReceiver(self.control, actor_id)
 
     # ------------------------------------------------------------------ weights
     async def sync_weights(self) -> None:
         """Load newer weights over the configured channel; or, when the learner is behind
         us (it resumed from an older checkpoint), load the version it publishes now."""
         async with self._weights_lock:
-            behind = 0 <= self._learner_version < self.engine.version
+            behind = 0 <= self.control.learner_version < self.engine.version
             before = self.engine.version
             got = await self.weights.sync(self.engine, -1 if behind else before)
             if got is None:
@@ -98,7 +98,7 @@ class Actor:
     async def _sync_or_wait(self) -> None:
         """The weights a refusal asked for. A load that fails (the weight file cannot be
         written: a full disk or /dev/shm) is retried after a pause, as the weights loop
-        does; it once ended the actor (issue 17). A learner gone for good still does."""
+        does, so the actor lives on; a learner gone for good (TransportTimeout) ends it."""
         try:
             await self.sync_weights()
         except TransportTimeout:
@@ -107,43 +107,11 @@ class Actor:
             log.warning("actor %d: weight sync failed: %s; retrying", self.actor_id, exc)
             await asyncio.sleep(self.cfg.actors.refusal_retry_s)
 
-    async def _request(self, msg):
-        """``control.request`` retried with backoff while the learner is away (restart,
-        network); gives up after ``transport.connect_timeout_s`` without an answer."""
-        delay = _RETRY_S[0]
-        t0 = time.monotonic()
-        while True:
-            try:
-                reply = await self.control.request(msg)
-                break
-            except TransportTimeout:
-                self._lost_contact = True
-                waited = time.monotonic() - t0
-                if waited > self.cfg.transport.connect_timeout_s:
-                    raise
-                log.warning("actor %d: no answer to %s for %.0f s; retrying (learner down?)",
-                            self.actor_id, msg.KIND, waited)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, _RETRY_S[1])
-        self._learner_version = getattr(reply, "learner_version", self._learner_version)
-        if getattr(reply, "reason", "") == P.AckReason.HELLO_REQUIRED:
-            await self._hello("the learner restarted")
-        elif self._lost_contact:
-            # a retried request may have been granted twice: a Hello lets the learner
-            # release the tickets we hold (learner/service.py)
-            await self._hello("the learner answers again")
-        return reply
-
-    async def _hello(self, why: str) -> None:
-        self._lost_contact = False
-        hello = P.Hello(self.actor_id, os.getpid(), socket.gethostname(), self.engine.version)
-        await self._request(hello)
-        log.info("actor %d: said hello again (%s)", self.actor_id, why)
-
     async def _weights_loop(self) -> None:
         while not self.stop:
             try:
-                if self._learner_version != self.engine.version and self._learner_version >= 0:
+                learner = self.control.learner_version
+                if learner != self.engine.version and learner >= 0:
                     await self.sync_weights()
             except Exception as exc:  # keep polling: the learner may be restarting
                 log.warning("actor %d: weight sync failed: %s", self.actor_id, exc)
@@ -154,7 +122,7 @@ class Actor:
         actor to the learner (which releases a silent actor's tickets)."""
         while not self.stop:
             try:
-                await self._request(P.Heartbeat(self.actor_id, self.engine.version,
+                await self.control.request(P.Heartbeat(self.actor_id, self.engine.version,
                                                 self.stats()))
             except Exception as exc:  # keep beating: the learner may be restarting
                 log.warning("actor %d: heartbeat failed: %s", self.actor_id, exc)
@@ -165,14 +133,15 @@ class Actor:
         """Ask until a ticket is granted (True) or the learner says stop (False)."""
         while not self.stop:
             t0 = time.perf_counter()
-            grant = await self._request(P.TicketRequest(self.actor_id, self.engine.version, 1))
+            grant = await self.control.request(P.TicketRequest(self.actor_id,
+                                                               self.engine.version, 1))
             if grant.stop:
                 self.stop = True
                 break
             if not grant.granted:
                 reason = P.GrantReason.of(grant.reason)
                 if reason is P.GrantReason.HELLO_REQUIRED:
-                    pass  # _request said hello; ask again
+                    pass  # the control client said hello; ask again
                 elif reason is not None and reason.needs_weights:
                     await self._sync_or_wait()
                 else:  # tickets free up as the learner trains
@@ -182,7 +151,7 @@ class Actor:
                 self.idle_s += time.perf_counter() - t0
                 continue
             self.idle_s += time.perf_counter() - t0
-            if 0 <= self._learner_version < self.engine.version:
+            if 0 <= self.control.learner_version < self.engine.version:
                 await self.sync_weights()  # never generate with weights the learner lost
             return True
         return False
@@ -217,7 +186,7 @@ class Actor:
                 await occupancy.below(target)
                 for task in [t for t in groups if t.done()]:
                     groups.discard(task)
-                    task.result()  # a failed group ends the actor, as a failed slot did
+                    task.result()  # a failed group ends the actor
                 if not await self._ticket():
                     break
                 task = asyncio.create_task(self._group())
@@ -258,30 +227,16 @@ class Actor:
         """The earliest stream position not yet delivered: where a restart continues."""
         return min(self._in_flight) if self._in_flight else self.source.position
 
-    async def _connect(self) -> None:
-        """Handshake, retried while the learner starts (DeepSpeed start-up takes a while)."""
-        deadline = time.monotonic() + self.cfg.transport.connect_timeout_s
-        hello = P.Hello(self.actor_id, os.getpid(), socket.gethostname(), self.engine.version)
-        while True:
-            try:
-                await self.control.hello(hello)
-                return
-            except TimeoutError:
-                if time.monotonic() > deadline:
-                    raise
-                log.info("actor %d: waiting for the learner at %s", self.actor_id,
-                         self.control.endpoint)
-
     async def run(self) -> None:
         start = saved_position(self.cfg.run.dir, self.actor_id)
         if start:
             self.source.seek(start)
             log.info("actor %d: continuing the prompt stream at position %d", self.actor_id,
                      start)
-        await self._connect()
+        await self.control.connect()
         # learner.weight_sync=nccl: join the learner's NCCL group when this actor can
-        self.weights = await build_weight_sync(self.cfg, _RetriedControl(self), self.engine,
-                                               self.actor_id)
+        self.weights = await build_weight_receiver(self.cfg, self.control, self.engine,
+                                                   self.actor_id)
         await self.sync_weights()
         pollers = [asyncio.create_task(self._weights_loop()),
                    asyncio.create_task(self._heartbeat_loop())]
@@ -297,26 +252,5 @@ class Actor:
             for task in pollers:
                 task.cancel()
             await asyncio.gather(*pollers, return_exceptions=True)
-        await self._request(P.Bye(self.actor_id, self.groups_sent, self.stats()))
+        await self.control.request(P.Bye(self.actor_id, self.groups_sent, self.stats()))
         log.info("actor %d done: %d groups sent", self.actor_id, self.groups_sent)
-
-
-class _RetriedControl:
-    """The control channel as the weight channels (actors/weight_sync.py) use it: every
-    request goes through ``Actor._request``, so it is retried while the learner is away,
-    says Hello again after a learner restart, and notes the learner's version."""
-
-    def __init__(self, actor: Actor):
-        self._request = actor._request
-
-    async def request(self, msg):
-        return await self._request(msg)
-
-    async def fetch_weights(self, have_version: int, actor_id: int) -> P.WeightsUpdate | None:
-        reply = await self._request(P.WeightsRequest(actor_id, have_version))
-        if isinstance(reply, P.WeightsUpdate):
-            return reply
-        if isinstance(reply, P.Ack) and reply.ok:
-            return None
-        detail = reply.reason if isinstance(reply, P.Ack) else type(reply).__name__
-        raise P.ProtocolError("refused", f"weights request: {detail}")

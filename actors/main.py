@@ -32,7 +32,8 @@ async def run_actor(cfg, actor_id: int) -> None:
     from actors.actor import Actor
     from actors.engines import build_engine
     from arpo_async.core.keys import client_keys_for
-    from arpo_async.core.transport import ControlClient, TrajectorySender
+    from arpo_async.core.transport.control import ControlClient
+    from arpo_async.core.transport.trajectory import TrajectorySender
     from toolenv.tasks.prompts import PromptSource
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)

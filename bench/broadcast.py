@@ -2,10 +2,11 @@
 bench/results/broadcast.json.
 
 1. Throughput: full weights (the state_dict of a randomly initialised Qwen3 of each
-   ``--sizes`` entry, float32, HF names) published on the real weight channel
-   (``ControlServer.publish_weights``: encoded once, served from the same buffers) and
-   fetched by 1 and 4 actor processes (``ControlClient.fetch_weights``, all starting
-   together), each checking what it got. Broadcast time = first request to last byte
+   ``--sizes`` entry, float32, HF names) published on the real ZeroMQ weight channel
+   (learner/weights/zeromq.py ``ZmqWeightSender`` behind a ``ControlServer``: encoded
+   once, served from the same buffers) and fetched by 1 and 4 actor processes
+   (actors/weights/zeromq.py ``ZmqWeightReceiver.fetch``, all starting together), each
+   checking what it got. Broadcast time = first request to last byte
    received; MB/s = bytes delivered (size x actors) / that time. Against it, in the same
    run, one memory copy of the same bytes: into fresh memory (``np.copy``: what any
    receiver must at least do to hold its own copy) and into preallocated, already touched
@@ -20,7 +21,8 @@ bench/results/broadcast.json.
    update (tens of tokens here).
 
 The last line is ``RESULT broadcast pause_vs_load=<interrupt pause / load, medians>
-vs_fresh_copy=<worst broadcast / copy ratio, models of 10 MB and more> target=pause_vs_load<=1.3,vs_fresh_copy>=0.5``.
+vs_fresh_copy=<worst broadcast / copy ratio, models of 10 MB and more>
+target=pause_vs_load<=1.3,vs_fresh_copy>=0.5``.
 """
 
 from __future__ import annotations
@@ -74,10 +76,12 @@ def copy_rates(tensors: dict[str, np.ndarray], reps: int = 3) -> dict:
 
 def client_main(endpoint: str, actor_id: int, conn) -> None:
     """An actor's weight receiver (process target): fetch when told, report timings."""
-    from arpo_async.core.transport import ControlClient
+    from actors.weights.zeromq import ZmqWeightReceiver
+    from arpo_async.core.transport.control import ControlClient
 
     async def run() -> None:
         client = ControlClient(endpoint, timeout_s=120, max_bytes=2**31)
+        receiver = ZmqWeightReceiver(client, actor_id)
         conn.send("ready")
         while True:
             msg = conn.recv()
@@ -86,7 +90,7 @@ def client_main(endpoint: str, actor_id: int, conn) -> None:
             have, start_at, check = msg
             await asyncio.sleep(max(0.0, start_at - time.time()))
             t0 = time.time()
-            upd = await client.fetch_weights(have, actor_id)
+            upd = await receiver.fetch(have)
             t1 = time.time()
             ok = upd is not None and all(float(upd.tensors[n].reshape(-1)[0]) == v
                                          for n, v in check.items())
@@ -98,11 +102,12 @@ def client_main(endpoint: str, actor_id: int, conn) -> None:
 
 
 def broadcast_rates(tensors: dict[str, np.ndarray], actors: int, rounds: int) -> dict:
-    from arpo_async.core.protocol import Ack
-    from arpo_async.core.transport import ControlServer
+    from arpo_async.core.transport.control import ControlServer
+    from learner.weights.zeromq import ZmqWeightSender
 
     endpoint = f"tcp://127.0.0.1:{free_port()}"
-    server = ControlServer(endpoint, lambda msg, peer: Ack(), max_bytes=2**31)
+    weights = ZmqWeightSender()
+    server = ControlServer(endpoint, lambda msg, peer: weights.handle(msg), max_bytes=2**31)
     server.start()
     ctx = mp.get_context("spawn")
     pipes, procs = [], []
@@ -118,7 +123,7 @@ def broadcast_rates(tensors: dict[str, np.ndarray], actors: int, rounds: int) ->
         for v in range(1, rounds + 1):
             state = {n: a + v for n, a in tensors.items()} if v > 1 else tensors
             t0 = time.perf_counter()
-            server.publish_weights(v, state, copy=False)
+            weights.publish(v, state)
             encode.append(time.perf_counter() - t0)
             check = {n: float(a.reshape(-1)[0]) for n, a in list(state.items())[:3]}
             start_at = time.time() + 0.2

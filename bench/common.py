@@ -239,7 +239,8 @@ async def actor_window(cfg, engine, tokenizer, tools, warmup_s: float, window_s:
 
     from actors.actor import Actor
     from actors.main import build_rollout
-    from arpo_async.core.transport import ControlClient, TrajectorySender
+    from arpo_async.core.transport.control import ControlClient
+    from arpo_async.core.transport.trajectory import TrajectorySender
     from toolenv.tasks.prompts import PromptSource
 
     cfg = sink_config(cfg)

@@ -57,7 +57,7 @@ def producer_main(endpoint: str, count: int) -> None:
     """Process target: push ``count`` groups as fast as the sender allows."""
     import asyncio
 
-    from arpo_async.core.transport import TrajectorySender
+    from arpo_async.core.transport.trajectory import TrajectorySender
 
     groups = [make_group(i) for i in range(8)]
 

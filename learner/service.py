@@ -8,7 +8,7 @@ admission controller and the staleness filter, and keeps an exact per-actor ledg
 reason, or counted lost. The control handler runs on the transport's server thread,
 hence the lock.
 
-Faults it survives (issue 7):
+Faults it survives:
 - hostile input: a group that decodes but is not trainable (token ids outside the
   vocabulary, non-finite numbers, a broken tree...) is rejected by ``check_group`` and
   counted under ``rejected/group/<reason>``; the trainer only ever sees checked groups.
@@ -41,9 +41,11 @@ import zmq
 from arpo_async.core import protocol as P
 from arpo_async.core.config import Config, total_actors
 from arpo_async.core.staleness import Admission, StalenessFilter
-from arpo_async.core.transport import ControlServer, TrajectoryReceiver
+from arpo_async.core.transport.control import ControlServer
+from arpo_async.core.transport.trajectory import TrajectoryReceiver
 from learner.config_server import ConfigServer
 from learner.ledger import Ledger
+from learner.weights import build_weight_senders
 
 log = logging.getLogger("learner.service")
 
@@ -118,34 +120,32 @@ class LearnerService:
         self.expected_actors = total_actors(cfg)  # local and remote (cluster.remote_actors)
         self.gate_deadline = time.monotonic() + cfg.actors.start_wait_s
         self.gate_open = self.expected_actors <= 1
-        # actors on other machines ask here for the config (arpo_async/launcher/remote.py); vLLM GPU
-        # actors on this machine may take weights over NCCL (learner/weight_sync.py)
+        # actors on other machines ask here for the config (arpo_async/launcher/remote.py)
         self.config_server = ConfigServer(cfg)
-        self.fast_weights = None
-        if cfg.learner.weight_sync == "nccl":
-            from learner.weight_sync import NcclWeightServer
-
-            self.fast_weights = NcclWeightServer.create(cfg)
+        self.weights = build_weight_senders(cfg)  # learner/weights/: ZeroMQ, NCCL
         if resume is not None:
             self.restore(resume["version"], resume["ledger"], resume.get("newer"))
         self.control.start()
 
     # ---------------------------------------------------------------- control thread
     def _handle(self, msg, _peer: bytes):
-        with self.lock:
-            if getattr(msg, "actor_id", 0) < 0 or getattr(msg, "n", 0) < 0:
+        assign = isinstance(msg, P.ConfigRequest) and msg.actor_id == -1  # "give me an id"
+        if (getattr(msg, "actor_id", 0) < 0 and not assign) or getattr(msg, "n", 0) < 0:
+            with self.lock:
                 self.events["bad_request"] += 1  # counted and refused, never a traceback
-                return P.Ack(ok=False, reason=P.AckReason.BAD_REQUEST,
-                             learner_version=self.published)
+            return P.Ack(ok=False, reason=P.AckReason.BAD_REQUEST,
+                         learner_version=self.published)
+        for sender in self.weights:  # outside the lock: no weight reply waits for the ledger
+            if isinstance(msg, sender.requests):
+                return sender.handle(msg)
+        if isinstance(msg, (P.NcclJoinRequest, P.NcclWeightsRequest)):
+            return P.Ack(ok=False, reason=P.AckReason.NO_FAST_WEIGHTS)
+        with self.lock:
             if isinstance(msg, P.TicketRequest):
                 return self._ticket(msg)
             if isinstance(msg, P.ConfigRequest):  # before the ledger: not an actor yet
                 return self.config_server.handle(
                     msg, {i: a.last_seen for i, a in self.ledger.actors.items()})
-            if isinstance(msg, (P.NcclJoinRequest, P.NcclWeightsRequest)):
-                if self.fast_weights is None:
-                    return P.Ack(ok=False, reason=P.AckReason.NO_FAST_WEIGHTS)
-                return self.fast_weights.handle(msg)
             if hasattr(msg, "actor_id"):
                 self.ledger.actor(msg.actor_id).last_seen = time.time()
             if isinstance(msg, P.Hello):
@@ -267,10 +267,10 @@ class LearnerService:
             self.version += 1
 
     def publish(self, version: int, tensors, bf16_names=()) -> None:
-        # the trainer hands over fresh copies, so the transport need not copy again
-        self.control.publish_weights(version, tensors, bf16_names=bf16_names, copy=False)
-        if self.fast_weights is not None:
-            self.fast_weights.publish(version, tensors, bf16_names)
+        """Every channel serves ``version`` from now on; the trainer hands over fresh
+        copies, which the channels keep as they are."""
+        for sender in self.weights:
+            sender.publish(version, tensors, bf16_names)
         with self.lock:
             self.published = version
 
@@ -312,7 +312,8 @@ class LearnerService:
                         f"group/{k}": v for k, v in self.invalid.items()},
                     "events": dict(self.events),
                     "control": {k: v for k, v in self.control.stats().items()
-                                if k in ("requests", "weights_requests", "dropped_replies")},
+                                if k in ("requests", "dropped_replies")},
+                    "weights": {s.channel: s.stats() for s in self.weights},
                     "admission": self.admission.counters(), "staleness": self.filter.stats(),
                     "incarnations": self.ledger.incarnations(), **stats}
 
@@ -350,8 +351,8 @@ class LearnerService:
                 break
         with self.lock:
             ledger = self.ledger.summary()
-        if self.fast_weights is not None:
-            self.fast_weights.close()
         self.control.stop()
+        for sender in self.weights:
+            sender.close()
         self.receiver.close()
         return ledger

@@ -405,7 +405,7 @@ class VLLMEngine:
         in NCCL and only a restart frees them."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        from actors.weight_sync import NcclTransferFailed, update_info_from
+        from actors.weights.nccl import NcclTransferFailed, update_info_from
 
         async with self._gate.exclusive() as drain_s:
             header = await fetch_header()

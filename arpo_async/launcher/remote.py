@@ -125,7 +125,7 @@ async def fetch_config(endpoint: str, keys: Any, actor_id: int, wait_s: float,
                        max_bytes: int = 16 * 2**20) -> tuple[str, int]:
     """Ask the learner until it answers or ``wait_s`` passes (it may still be starting)."""
     from arpo_async.core import protocol as P
-    from arpo_async.core.transport import ControlClient, TransportTimeout
+    from arpo_async.core.transport.control import ControlClient, TransportTimeout
 
     client = ControlClient(endpoint, timeout_s=5.0, curve=keys, max_bytes=max_bytes)
     deadline = time.monotonic() + wait_s

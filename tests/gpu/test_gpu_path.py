@@ -2,7 +2,7 @@
 installed, gradient checkpointing) and its real start-up and trainer (NCCL group, a
 DeepSpeed step on the GPU, host copies of the weights), vLLM's async engine on the GPU
 (CUDA graphs, prefix caching, a memory fraction) with in-place weight updates, and NCCL
-weight sync from the learner's NcclWeightServer into a vLLM actor on another GPU.
+weight sync from the learner's NcclWeightSender into a vLLM actor on another GPU.
 
 Marked ``gpu``: skipped without a GPU (tests/conftest.py). The NCCL test needs two GPUs
 (NCCL puts one rank on one GPU). Written against vLLM 0.32; not yet run in this repo.
@@ -174,28 +174,28 @@ async def test_nccl_weight_sync_into_a_vllm_actor_on_another_gpu(tiny_model_dir)
     if torch.cuda.device_count() < 2:
         pytest.skip("NCCL weight sync needs two GPUs (one NCCL rank per GPU)")
     from actors.engines.vllm_engine import VLLMEngine
-    from actors.weight_sync import NcclWeights, build_weight_sync
+    from actors.weights import build_weight_receiver
+    from actors.weights.nccl import NcclWeightReceiver
+    from arpo_async.core import protocol as P
     from arpo_async.core.config import config_from_dict
-    from learner.weight_sync import NcclWeightServer
+    from learner.weights.nccl import NcclWeightSender
 
     # learner rank 0 on GPU 1, the actor's vLLM worker on GPU 0; small chunks so that a
     # transfer takes several packed broadcasts and reuses both staging buffers
-    server = NcclWeightServer(device_index=1, buffer_bytes=256 * 1024, timeout_s=120)
+    server = NcclWeightSender(device_index=1, buffer_bytes=256 * 1024, timeout_s=120)
     engine = await VLLMEngine.create(tiny_model_dir, dtype="bfloat16", max_model_len=512,
                                      gpu_memory_utilization=0.3, weight_transfer="nccl")
 
     class Direct:  # the control channel, without sockets: straight to the server
         async def request(self, msg):
+            assert not isinstance(msg, P.WeightsRequest), "weights must not go over ZeroMQ here"
             return server.handle(msg)
-
-        async def fetch_weights(self, *args):
-            raise AssertionError("weights must not go over ZeroMQ here")
 
     try:
         cfg = config_from_dict({"cluster": {"device": "cuda"},
                                 "learner": {"weight_sync": "nccl", "nccl_timeout_s": 120}})
-        sync = await build_weight_sync(cfg, Direct(), engine, actor_id=0)
-        assert isinstance(sync, NcclWeights)
+        sync = await build_weight_receiver(cfg, Direct(), engine, actor_id=0)
+        assert isinstance(sync, NcclWeightReceiver)
         assert await sync.sync(engine) is None  # nothing published yet
         for version, seed in [(1, 1), (2, 2)]:
             state = _perturbed(tiny_model_dir, seed)
@@ -207,8 +207,9 @@ async def test_nccl_weight_sync_into_a_vllm_actor_on_another_gpu(tiny_model_dir)
             _assert_loaded(np.array(await engine.sequence_logprobs(PROMPT, TOKENS)),
                            tiny_model_dir, state)
         assert await sync.sync(engine) is None
-        assert server.stats["transfers"] == 2 and server.stats["aborted"] == 0
-        assert server.stats["bytes"] == 2 * sum(a.nbytes for a in bits.values())
+        stats = server.stats()
+        assert stats["transfers"] == 2 and stats["aborted"] == 0
+        assert stats["bytes"] == 2 * sum(a.nbytes for a in bits.values())
     finally:
         await engine.close()
         server.close()

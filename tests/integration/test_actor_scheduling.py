@@ -88,7 +88,8 @@ class _Run:
 
         from actors.actor import Actor
         from actors.main import build_rollout
-        from arpo_async.core.transport import ControlClient, TrajectorySender
+        from arpo_async.core.transport.control import ControlClient
+        from arpo_async.core.transport.trajectory import TrajectorySender
         from bench.common import Sink
         from toolenv.runner import ToolRunner
         from toolenv.tasks.prompts import PromptSource

@@ -1,5 +1,6 @@
 """The ZeroMQ transport over real loopback sockets: delivery, backpressure, garbage, the
-control channel, weights to many actors, timeouts, restarts, and CurveZMQ."""
+control channel, the ZeroMQ weight channel (learner/weights/zeromq.py to
+actors/weights/zeromq.py) to many actors, timeouts, restarts, and CurveZMQ."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 import zmq
 
+from actors.weights.zeromq import ZmqWeightReceiver
 from arpo_async.core import keys as K
 from arpo_async.core.protocol import (
     Ack,
@@ -32,13 +34,9 @@ from arpo_async.core.protocol import (
     decode,
     encode,
 )
-from arpo_async.core.transport import (
-    ControlClient,
-    ControlServer,
-    TrajectoryReceiver,
-    TrajectorySender,
-    TransportTimeout,
-)
+from arpo_async.core.transport.control import ControlClient, ControlServer, TransportTimeout
+from arpo_async.core.transport.trajectory import TrajectoryReceiver, TrajectorySender
+from learner.weights.zeromq import ZmqWeightSender
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 LOOPBACK = "tcp://127.0.0.1:0"
@@ -111,6 +109,16 @@ def client(stack: ExitStack, endpoint: str, **kw) -> ControlClient:
     c = ControlClient(endpoint, **kw)
     stack.callback(c.close)
     return c
+
+
+def weights_server(stack: ExitStack, **kw) -> tuple[ControlServer, ZmqWeightSender]:
+    """A control server whose handler is the learner's ZeroMQ weight channel."""
+    weights = ZmqWeightSender()
+    return start_server(stack, handler=lambda msg, peer: weights.handle(msg), **kw), weights
+
+
+def fetch(c: ControlClient, have_version: int, actor_id: int = 0):
+    return ZmqWeightReceiver(c, actor_id).fetch(have_version)
 
 
 # ----------------------------------------------------------------------------- trajectories
@@ -288,36 +296,37 @@ async def test_malformed_replies_fail_the_request_and_are_counted():
 async def test_weights_reach_four_clients_identically_and_zero_copy_per_version():
     tensors, bf16 = weights_set(0, scale=8)
     with ExitStack() as stack:
-        server = start_server(stack)
-        server.publish_weights(1, tensors, bf16_names=bf16)
-        tensors["embed"][:] = 0  # publish copied: later training steps cannot tear it
+        server, weights = weights_server(stack)
+        weights.publish(1, tensors, bf16_names=bf16)
         fresh, _ = weights_set(0, scale=8)
         clients = [client(stack, server.endpoint, timeout_s=10) for _ in range(4)]
-        updates = await asyncio.gather(*[c.fetch_weights(-1, i) for i, c in enumerate(clients)])
+        updates = await asyncio.gather(*[fetch(c, -1, i) for i, c in enumerate(clients)])
         for u in updates:
             assert u.version == 1 and u.bf16_names == bf16 and set(u.tensors) == set(fresh)
             for name, ref in fresh.items():
                 assert u.tensors[name].dtype == ref.dtype and np.array_equal(u.tensors[name],
                                                                              ref), name
-        assert await clients[0].fetch_weights(1, 0) is None  # up to date: just an Ack
-        nbytes = server.stats()["bytes_served"] // 4
-        assert server.served == {1: 4} and nbytes > sum(a.nbytes for a in fresh.values())
+        assert await fetch(clients[0], 1) is None  # up to date: just an Ack
+        nbytes = weights.stats()["bytes_served"] // 4
+        assert weights.served == {1: 4} and nbytes > sum(a.nbytes for a in fresh.values())
 
         v2, _ = weights_set(1, scale=8)
-        server.publish_weights(2, v2, bf16_names=bf16)
-        got = await asyncio.gather(*[c.fetch_weights(have, i)
+        weights.publish(2, v2, bf16_names=bf16)
+        v2["embed"][0, 0] += 1.0  # handed over, not copied: a later reply sends the change
+        got = await asyncio.gather(*[fetch(c, have, i)
                                      for i, (c, have) in enumerate(zip(clients, (-1, 0, 1, 2)))])
         assert [u.version if u else None for u in got] == [2, 2, 2, None]
         assert np.array_equal(got[0].tensors["embed"], v2["embed"])
-        assert server.served == {1: 4, 2: 3} and server.weights_requests == 9
+        assert weights.served == {1: 4, 2: 3} and weights.weights_requests == 9
+        assert server.stats()["requests"] == 9
         with pytest.raises(ValueError, match="versions must increase"):
-            server.publish_weights(2, v2)
+            weights.publish(2, v2)
 
 
 async def test_a_request_to_a_dead_server_times_out_on_time():
     with ExitStack() as stack:
         c = client(stack, free_endpoint(), timeout_s=0.5)
-        for call in (c.hello(Hello(1, 1)), c.fetch_weights(-1, 1)):
+        for call in (c.hello(Hello(1, 1)), fetch(c, -1, 1)):
             t0 = time.monotonic()
             with pytest.raises(TransportTimeout, match="within 0.5 s"):
                 await call
@@ -359,13 +368,13 @@ async def test_weights_fetch_throughput_50mb(record_property):
                                                                     dtype=np.float32)
                for i in range(10)}
     with ExitStack() as stack:
-        server = start_server(stack)
-        server.publish_weights(1, tensors, copy=False)
+        server, weights = weights_server(stack)
+        weights.publish(1, tensors)
         c = client(stack, server.endpoint, timeout_s=20)
         times = []
         for _ in range(3):
             t0 = time.perf_counter()
-            update = await c.fetch_weights(-1, 0)
+            update = await fetch(c, -1)
             times.append(time.perf_counter() - t0)
             assert np.array_equal(update.tensors["layer9"], tensors["layer9"])
             del update
@@ -380,16 +389,17 @@ async def test_weights_fetch_throughput_50mb(record_property):
 
 
 def test_keys_cli_writes_private_secrets_and_loads(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "arpo_async.core.keys", str(tmp_path)], cwd=REPO, check=False,
-                         capture_output=True, text=True, timeout=30)
+    keys_cli = [sys.executable, "-m", "arpo_async.core.keys", str(tmp_path)]
+    run = subprocess.run(keys_cli, cwd=REPO, check=False, capture_output=True, text=True,
+                         timeout=30)
     assert run.returncode == 0, run.stderr
     d = tmp_path / "keys"
     assert stat.S_IMODE(d.stat().st_mode) == 0o700
     for name in ("server", "client"):
         assert stat.S_IMODE((d / f"{name}.key_secret").stat().st_mode) == 0o600
         assert stat.S_IMODE((d / f"{name}.key").stat().st_mode) == 0o644
-    again = subprocess.run([sys.executable, "-m", "arpo_async.core.keys", str(tmp_path)], cwd=REPO, check=False,
-                           capture_output=True, text=True, timeout=30)
+    again = subprocess.run(keys_cli, cwd=REPO, check=False, capture_output=True, text=True,
+                           timeout=30)
     assert again.returncode == 1 and "--force" in again.stderr
     server, cl = K.load_server_keys(d), K.load_client_keys(d)
     assert server.allowed_clients == [cl.public] and cl.server_public == server.public
@@ -424,15 +434,15 @@ async def test_curve_admits_the_listed_client_and_shuts_out_the_rest(tmp_path):
     tensors, bf16 = weights_set(2)
     with ExitStack() as stack:
         rx = stack.enter_context(TrajectoryReceiver(LOOPBACK, curve=server_keys))
-        server = start_server(stack, curve=server_keys)
-        server.publish_weights(1, tensors, bf16_names=bf16)
+        server, weights = weights_server(stack, curve=server_keys)
+        weights.publish(1, tensors, bf16_names=bf16)
 
         tx = TrajectorySender(rx.endpoint, timeout_s=5, curve=good)
         stack.callback(tx.close, 0)
         c = client(stack, server.endpoint, timeout_s=5, curve=good)
         await tx.send(make_group(1))
         assert (await asyncio.to_thread(rx.recv, 5.0)).group_id == "g1"
-        update = await c.fetch_weights(-1, 0)
+        update = await fetch(c, -1)
         assert np.array_equal(update.tensors["embed"], tensors["embed"])
 
         for keys in (stranger, None):  # an unknown key, and no encryption at all
@@ -442,9 +452,9 @@ async def test_curve_admits_the_listed_client_and_shuts_out_the_rest(tmp_path):
             await bad_tx.send(make_group(99))  # queued in the actor, never delivered
             assert await asyncio.to_thread(rx.recv, 1.0) is None
             with pytest.raises(TransportTimeout):
-                await bad_c.fetch_weights(-1, 9)
+                await fetch(bad_c, -1, 9)
         assert rx.rejected["curve_denied"] >= 1 and server.rejected["curve_denied"] >= 1
-        assert rx.received == 1 and server.served == {1: 1}
+        assert rx.received == 1 and weights.served == {1: 1}
         await tx.send(make_group(2))  # the authorised actor is unaffected
         assert (await asyncio.to_thread(rx.recv, 5.0)).group_id == "g2"
 
@@ -455,5 +465,9 @@ async def test_wrong_reply_kinds_are_errors_and_no_weights_is_none():
         c = client(stack, server.endpoint, timeout_s=5)
         with pytest.raises(ProtocolError, match="wrong_kind"):
             await c.hello(Hello(1, 1))
-        assert await c.fetch_weights(-1, 0) is None  # nothing published yet
-        assert server.stats()["version"] == -1 and server.weights_requests == 1
+        with pytest.raises(ProtocolError, match="refused.*weights request: TicketGrant"):
+            await fetch(c, -1)
+        server, weights = weights_server(stack)
+        c = client(stack, server.endpoint, timeout_s=5)
+        assert await fetch(c, -1) is None  # nothing published yet
+        assert weights.stats() == {"requests": 1, "bytes_served": 0, "version": -1}

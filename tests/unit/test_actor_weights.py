@@ -1,16 +1,23 @@
-"""The actor's weight path (actors/actor.py with actors/weight_sync.py): the configured
-channel is picked once the learner answered, ZeroMQ updates reach the engine with their
-bfloat16 names, and a learner that fell behind is followed back. Fakes for the engine and
-the control socket; the messages are the real protocol ones (and go through its
-encoder where the wire matters)."""
+"""The actor's weight path (actors/actor.py with actors/weights/): the configured
+channel is picked once the learner answered (ZeroMQ unless NCCL is configured, the engine
+can receive over it and the learner lets it join), ZeroMQ updates reach the engine with
+their bfloat16 names, a refusal is an error and "nothing newer" is None, a learner that
+drops the NCCL group turns the actor to ZeroMQ, and a learner that fell behind is
+followed back. Fakes for the engine and the control socket; the messages are the real
+protocol ones (and go through its encoder where the wire matters)."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from actors.actor import Actor
+from actors.weights import build_weight_receiver
+from actors.weights.nccl import NcclUnavailable, NcclWeightReceiver, init_info_from
+from actors.weights.zeromq import ZmqWeightReceiver
 from arpo_async.core import protocol as P
 from arpo_async.core.config import config_from_dict
+from arpo_async.core.host import machine_id
 
 
 class Engine:
@@ -74,6 +81,17 @@ class Control:
         return P.Ack(ok=True, learner_version=self.version)
 
 
+class Scripted:
+    """Answers requests with scripted replies, in order; records what was asked."""
+
+    def __init__(self, *replies):
+        self.replies, self.sent = list(replies), []
+
+    async def request(self, msg):
+        self.sent.append(msg)
+        return self.replies.pop(0)
+
+
 class Source:
     position = 0
     skipped_long = 0  # prompts too long for the engine (PromptSource)
@@ -119,7 +137,7 @@ async def test_an_actor_ahead_of_a_restarted_learner_loads_its_older_version(tmp
     actor = make_actor(tmp_path, engine, control)
     await actor.sync_weights()  # the learner's version is unknown: an older one is ignored
     assert engine.version == 5
-    actor._learner_version = 2  # a reply said the learner publishes v2
+    actor.control.learner_version = 2  # a reply said the learner publishes v2
     await actor.sync_weights()
     asked = [m.have_version for m in control.sent if isinstance(m, P.WeightsRequest)]
     assert asked == [5, -1] and engine.version == 2 and actor.updates == 1
@@ -147,3 +165,56 @@ async def test_run_keeps_zeromq_by_default_even_for_an_nccl_capable_engine(tmp_p
     assert engine.loaded == [("zmq", 3, ["w"], [])]
     assert not any(isinstance(m, (P.NcclJoinRequest, P.NcclWeightsRequest))
                    for m in control.sent)
+
+
+# ----------------------------------------------------------------------------- the channels
+
+
+def nccl_cfg(sync="nccl"):
+    return config_from_dict({"cluster": {"device": "cuda"}, "learner": {"weight_sync": sync}})
+
+
+async def test_zeromq_unless_nccl_is_configured_and_possible():
+    capable = Engine(nccl=True)
+    assert isinstance(await build_weight_receiver(nccl_cfg("zmq"), Scripted(), capable, 0),
+                      ZmqWeightReceiver)
+    no_support = await build_weight_receiver(nccl_cfg(), Scripted(), Engine(), 0)
+    assert isinstance(no_support, ZmqWeightReceiver)
+    refused = Scripted(P.NcclJoinReply(ok=False, reason="actor runs on another machine"))
+    assert isinstance(await build_weight_receiver(nccl_cfg(), refused, capable, 0),
+                      ZmqWeightReceiver)
+    assert refused.sent[0].machine_id == machine_id() and refused.sent[0].workers == 1
+
+
+async def test_nccl_join_then_updates_and_zeromq_after_the_learner_drops_the_group():
+    join = P.NcclJoinReply(ok=True, master_address="127.0.0.1", master_port=1, world_size=3,
+                           buffer_bytes=64, num_buffers=2)
+    header = P.NcclWeightsHeader(2, ["w"], ["float32"], [[4]])
+    update = P.WeightsUpdate(version=3, tensors={"w": np.zeros(4, np.float32)})
+    control = Scripted(join, P.Ack(ok=True, learner_version=0), header,
+                       P.Ack(ok=False, reason="no NCCL group for this actor"), update)
+    engine = Engine(nccl=True)
+    sync = await build_weight_receiver(nccl_cfg(), control, engine, actor_id=7)
+    assert isinstance(sync, NcclWeightReceiver) and engine.init_info == init_info_from(join)
+    assert await sync.sync(engine) is None  # nothing newer
+    got = await sync.sync(engine)
+    assert (got.version, got.channel) == (2, "nccl")
+    got = await sync.sync(engine)  # the learner aborted the group: ZeroMQ from now on
+    assert (got.version, got.channel, got.paused_s) == (3, "zmq", 0.25)
+    assert "no NCCL group" in sync.broken
+    assert engine.loaded == [("nccl", 2, ["w"], []), ("zmq", 3, ["w"], [])]
+    asked = [m for m in control.sent if isinstance(m, P.NcclWeightsRequest)]
+    assert [(m.actor_id, m.have_version) for m in asked] == [(7, 0), (7, 0), (7, 2)]
+
+
+async def test_replies_that_are_neither_weights_nor_nothing_newer_are_errors():
+    nccl = NcclWeightReceiver(Scripted(P.TicketGrant(0, 0)), 0, ZmqWeightReceiver(None, 0),
+                              1.0)
+    with pytest.raises(NcclUnavailable, match="TicketGrant"):
+        await nccl._header(0)
+    zmq = ZmqWeightReceiver(Scripted(P.Ack(ok=True, learner_version=4),
+                                     P.Ack(ok=False, reason="hello_required")), 3)
+    assert await zmq.fetch(4) is None
+    with pytest.raises(P.ProtocolError, match="weights request: hello_required"):
+        await zmq.fetch(4)
+    assert [(m.actor_id, m.have_version) for m in zmq.control.sent] == [(3, 4), (3, 4)]

@@ -144,7 +144,7 @@ async def test_a_request_to_a_learner_that_died_fails_at_once_not_after_the_time
     import zmq
     import zmq.asyncio
 
-    from arpo_async.core.transport import ControlClient, TransportTimeout
+    from arpo_async.core.transport.control import ControlClient, TransportTimeout
 
     ctx = zmq.asyncio.Context()
     server = ctx.socket(zmq.ROUTER)

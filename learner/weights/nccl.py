@@ -1,4 +1,5 @@
-"""The learner's fast weight channel to vLLM GPU actors on its own machine: NCCL.
+"""The learner's NCCL weight channel to vLLM GPU actors on its own machine
+(``learner.weight_sync=nccl``; the actor's side: actors/weights/nccl.py).
 
 Why: over ZeroMQ every actor receives a full copy through a socket, writes it to a file
 in /dev/shm and vLLM reloads the file; for a 14B model that is tens of seconds per actor
@@ -101,9 +102,13 @@ class TransferTimeout(RuntimeError):
 # ----------------------------------------------------------------------------- server
 
 
-class NcclWeightServer:
-    """Learner rank 0's NCCL weight channel (see the module docstring). ``handle`` runs on
-    the control thread and never blocks; transfers run on the sender thread."""
+class NcclWeightSender:
+    """Learner rank 0's NCCL weight channel (see the module docstring), a ``WeightSender``
+    (learner/weights/base.py). ``handle`` runs on the control thread and never blocks;
+    transfers run on the sender thread."""
+
+    channel = "nccl"
+    requests = (P.NcclJoinRequest, P.NcclWeightsRequest)
 
     def __init__(self, device_index: int, buffer_bytes: int, timeout_s: float,
                  num_buffers: int = 2, address: str = "127.0.0.1", start: bool = True):
@@ -117,13 +122,13 @@ class NcclWeightServer:
         self._members: set[int] = set()  # actors joined or joining
         self._groups: dict[int, object] = {}  # actor id -> PyNcclCommunicator (sender thread)
         self._jobs: queue.Queue = queue.Queue()
-        self.stats = {"joins": 0, "transfers": 0, "aborted": 0, "bytes": 0, "seconds": 0.0}
+        self._counts = {"joins": 0, "transfers": 0, "aborted": 0, "bytes": 0, "seconds": 0.0}
         self._thread = threading.Thread(target=self._run, name="nccl-weights", daemon=True)
         if start:
             self._thread.start()
 
     @classmethod
-    def create(cls, cfg) -> NcclWeightServer:
+    def create(cls, cfg) -> NcclWeightSender:
         """For ``learner.weight_sync=nccl``; raises with what is missing."""
         try:
             import torch
@@ -139,12 +144,16 @@ class NcclWeightServer:
 
     # ------------------------------------------------------------- control thread
     def publish(self, version: int, tensors: dict[str, np.ndarray], bf16_names=()) -> None:
-        """The newest weights; the arrays must not change afterwards (as for ZeroMQ)."""
+        """The newest weights; the arrays must not change afterwards."""
         names, dtypes, shapes = weight_header(tensors, bf16_names)
         snap = _Snapshot(version, P.NcclWeightsHeader(version, names, dtypes, shapes),
                          [tensors[n] for n in names])
         with self._lock:
             self._snapshot = snap
+
+    def stats(self) -> dict:
+        """Joins, transfers, aborted transfers, bytes and seconds sent."""
+        return dict(self._counts)
 
     def handle(self, msg):
         if isinstance(msg, P.NcclJoinRequest):
@@ -215,7 +224,7 @@ class NcclWeightServer:
                                           store_timeout=int(self.timeout_s))
         with unpinned_nccl_env():
             self._groups[actor_id] = PyNcclCommunicator(pg, device=self.device_index)
-        self.stats["joins"] += 1
+        self._counts["joins"] += 1
         log.info("nccl weights: actor %d joined (group of %d)", actor_id, world)
 
     def _transfer(self, actor_id: int, snap: _Snapshot) -> None:
@@ -251,9 +260,9 @@ class NcclWeightServer:
         for event in done:
             if event is not None:
                 _wait(event, deadline)
-        self.stats["transfers"] += 1
-        self.stats["bytes"] += sum(sizes)
-        self.stats["seconds"] += time.perf_counter() - t0
+        self._counts["transfers"] += 1
+        self._counts["bytes"] += sum(sizes)
+        self._counts["seconds"] += time.perf_counter() - t0
         log.info("nccl weights: v%d to actor %d, %.1f MB in %.2f s", snap.version, actor_id,
                  sum(sizes) / 1e6, time.perf_counter() - t0)
 
@@ -266,7 +275,7 @@ class NcclWeightServer:
             return
         try:
             if abort:  # frees a broadcast that waits for a peer that is gone
-                self.stats["aborted"] += 1
+                self._counts["aborted"] += 1
                 comm.nccl.ncclCommAbort(comm.comm)
                 comm.disabled = True
             else:
