@@ -18,18 +18,17 @@ policy's bit for bit and the KL is exactly 0:
   reference as often, which the trainer guarantees as it does for the policy).
 
 Its log-probs are computed once per rollout batch, before the first optimizer step, on
-the same micro-batches the loss uses (padded rows or packed trees with the tree mask), at
-the sampling temperature; they are kept like the proximal log-probs.
+the same micro-batches the loss uses and by the same forward (the trainer's strategy,
+learner/strategies.py: padded rows, or packed trees with the tree mask), at the sampling
+temperature; they are kept like the proximal log-probs.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
-import torch
-
-from learner.batching import token_logprobs
-from learner.logprobs import packed_forward
+from learner.device import model_load_kwargs
 
 log = logging.getLogger("learner")
 
@@ -48,34 +47,20 @@ def reference_ds_config(cfg) -> dict:
 
 
 class ReferencePolicy:
-    """Log-probs of the initial policy on the trainer's micro-batches (no gradient)."""
+    """The initial policy as a frozen DeepSpeed ``engine``; ``prepare`` readies the model
+    for the trainer's micro-batches before DeepSpeed wraps it (the packed dispatcher)."""
 
-    def __init__(self, cfg, model_path: str, packed: bool):
+    def __init__(self, cfg, model_path: str, prepare: Callable[[object], None]):
         import deepspeed
         from transformers import AutoModelForCausalLM
-
-        from learner import tree_attention as TA
-        from learner.device import model_load_kwargs
 
         model = AutoModelForCausalLM.from_pretrained(model_path, **model_load_kwargs(cfg))
         model.config.use_cache = False
         model.requires_grad_(False)
         model.eval()
-        if packed:
-            TA.enable(model)  # the same packed dispatcher as the policy's
+        prepare(model)
         self.engine, *_ = deepspeed.initialize(model=model, config=reference_ds_config(cfg))
         self.engine.eval()
         n = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
         log.info("reference policy for the KL term: %s (%.1fM parameters, ZeRO-%d, frozen)",
                  model_path, n / 1e6, reference_ds_config(cfg)["zero_optimization"]["stage"])
-
-    @torch.no_grad()
-    def padded_logprobs(self, batch, temperature: float) -> torch.Tensor:
-        """[B, L-1] as learner/trainer.py ``padded_forward`` computes the policy's."""
-        out = self.engine(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
-        return token_logprobs(out.logits, batch.input_ids, temperature)
-
-    @torch.no_grad()
-    def packed_logprobs(self, batch, mask, temperature: float, chunk: int) -> torch.Tensor:
-        return packed_forward(self.engine, self.engine.module.get_output_embeddings(), batch,
-                              mask, temperature, chunk, False)[0]

@@ -16,13 +16,11 @@ collectively. The loss of each micro-batch is normalised by the model-token coun
 mini-batch across all ranks, so micro-batching and world size do not change the
 gradient (token-mean aggregation, docs/design.md "The importance-corrected loss").
 
-``learner.packing``: ``padded`` collates a rank's leaves of a mini-batch into
-``micro_batches`` padded batches (learner/batching.py); ``tree`` and ``flat`` pack them
-(learner/packing.py) into as many micro-batches as ``max_tokens_per_microbatch`` needs
-(at least ``micro_batches``; the ranks agree on the largest count), run the model with
-the packed attention (learner/tree_attention.py) and take chunked log-probs
-(learner/logprobs.py). The optimizer steps once per mini-batch, at its last micro-batch
-(DeepSpeed's accumulation boundary is set by hand because the count varies).
+``learner.packing`` picks, once, the strategy (learner/strategies.py) that lays out a
+rank's leaves of a mini-batch in micro-batches (padded rows, or packed trees) and runs
+the model, the loss and the frozen reference on them; the steps below are the same for
+both. The optimizer steps once per mini-batch, at its last micro-batch (DeepSpeed's
+accumulation boundary is set by hand: the packed count varies with the tokens).
 """
 from __future__ import annotations
 
@@ -37,13 +35,11 @@ import torch
 import torch.distributed as dist
 
 from arpo_async.core.config import Config
-from learner import tree_attention as TA
-from learner.batching import Batch, LeafSample, balanced_split, collate, token_logprobs
-from learner.device import model_load_kwargs, prepare_model, setup_device, to_device
-from learner.logprobs import packed_forward, packed_step_loss
-from learner.losses import LossInputs, entropy_moments, policy_loss, stats_from_moments
-from learner.packing import (PackedBatch, bins_needed, build_units, collate_packed,
-                             pad_targets, split_bins)
+from learner.batching import LeafSample, balanced_split, token_logprobs
+from learner.device import model_load_kwargs, prepare_model, setup_device
+from learner.losses import entropy_moments, stats_from_moments
+from learner.reference import ReferencePolicy
+from learner.strategies import build_strategy
 
 log = logging.getLogger("learner")
 
@@ -72,34 +68,6 @@ def deepspeed_config(cfg: Config, micro_batches: int) -> dict:
         zero = {**extra.pop("zero_optimization", {}), "stage": lcfg.zero_stage}
         ds = {**extra, **ds, "zero_optimization": zero}
     return ds
-
-
-def padded_forward(model, batch: Batch, temperature: float, entropy: bool
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(log-probs [B, L-1], entropies or None) of a padded batch: the full logits."""
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
-    logp = token_logprobs(out.logits, batch.input_ids, temperature)
-    if not entropy:
-        return logp, None
-    from arpo_async.core.entropy import entropy_from_logits
-
-    return logp, entropy_from_logits(out.logits[:, :-1].float() / temperature)
-
-
-def padded_step_loss(model, batch: Batch, settings, temperature: float, normaliser: float,
-                     proximal: torch.Tensor | None = None, ref: torch.Tensor | None = None,
-                     batch_entropy_stats: tuple[float, float] | None = None
-                     ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The loss of one padded micro-batch (the reference the packed paths must equal);
-    ``ref``: reference log-probs (KL), ``batch_entropy_stats``: the whole batch's entropy
-    (mean, std) for AEPO's entropy-aware advantage (None: this micro-batch's own)."""
-    logp, entropy = padded_forward(model, batch, temperature,
-                                   bool(settings.entropy_coef or settings.aepo_entropy_adv_gamma))
-    inputs = LossInputs(
-        logprobs=logp, behaviour_logprobs=batch.behaviour, proximal_logprobs=proximal,
-        advantages=batch.advantages, loss_mask=batch.weight, ref_logprobs=ref, entropy=entropy)
-    return policy_loss(inputs, settings, normaliser=normaliser,
-                       entropy_stats=batch_entropy_stats)
 
 
 def split_minibatches(samples: list[LeafSample], n: int) -> list[list[LeafSample]]:
@@ -158,29 +126,19 @@ class PolicyTrainer:
         # CPU: float32 master weights, sdpa; GPU: the training dtype, flash-attn if present
         model = AutoModelForCausalLM.from_pretrained(model_path, **model_load_kwargs(cfg))
         prepare_model(model, cfg)
-        self.packing = cfg.learner.packing
-        if self.packing != "padded":
-            self.base_attention = TA.enable(model)
-            self.attention = TA.resolve(cfg.learner.packed_attention, self.packing,
-                                        self.device.type, self.base_attention)
-            self.align = 128 if self.attention == "flex" else 1
-            log.info("learner packing %s, attention %s over %s", self.packing, self.attention,
-                     self.base_attention)
+        self.strategy = build_strategy(cfg, model, self.pad_id, self.device)
         optim = torch.optim.AdamW(model.parameters(), lr=cfg.learner.lr,
                                   weight_decay=cfg.learner.weight_decay)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optim, config=deepspeed_config(cfg, self.micro_batches))
         self.loss_settings = cfg.learner.loss.settings()
-        self.temperature = cfg.sampling.temperature
         self.zero3 = cfg.learner.zero_stage == 3
         self.minibatches, self.ppo_epochs = cfg.learner.minibatches, cfg.learner.ppo_epochs
         self.last_steps: list[dict[str, float]] = []  # the last batch's per-step metrics
         self.last_entropy_stats: tuple[float, float] | None = None  # and its z(H) statistics
         self.reference = None
         if self.loss_settings.kl_coef != 0.0:  # a frozen copy of the initial weights
-            from learner.reference import ReferencePolicy
-
-            self.reference = ReferencePolicy(cfg, model_path, self.packing != "padded")
+            self.reference = ReferencePolicy(cfg, model_path, self.strategy.prepare)
 
     # ------------------------------------------------------------------ training
     def train_step(self, samples: list[LeafSample] | list[list[LeafSample]]
@@ -192,7 +150,7 @@ class PolicyTrainer:
         t0 = time.perf_counter()
         parts = (samples if samples and isinstance(samples[0], list)
                  else split_minibatches(samples, self.minibatches))
-        batches = [self._micro_batches(p) for p in parts]
+        batches = [self.strategy.micro_batches(p) for p in parts]
         pre = self._before_update(batches)
         steps: list[tuple[dict[str, float], float]] = []
         for _ in range(self.ppo_epochs):
@@ -201,35 +159,12 @@ class PolicyTrainer:
                     continue
                 steps.append(self._accumulate(
                     mbs, lambda i, b, total, j=j: self._loss(b, total, pre, j, i),
-                    set_boundary=self.packing != "padded", total=pre.totals[j]))
-        out = summarise_steps(steps)
+                    total=pre.totals[j]))
+        out = summarise_steps(steps) | self.strategy.metrics([b for m in batches for b in m])
         out["train_time_s"] = time.perf_counter() - t0
-        if self.packing != "padded":
-            flat = [b for mbs in batches for b in mbs]
-            out |= {"packing/microbatches": float(len(flat)),
-                    "packing/tokens": float(sum(b.tokens for b in flat)),
-                    "packing/leaf_tokens": float(sum(b.leaf_tokens for b in flat)),
-                    "packing/kept_apart": float(sum(b.kept_apart for b in flat))}
         self.last_steps = [m for m, _ in steps]
         self.last_entropy_stats = pre.entropy_stats
         return out
-
-    def _micro_batches(self, part: list[LeafSample]) -> list:
-        if self.packing != "padded":
-            return self._packed_batches(part)
-        chunks = balanced_split(part, self.micro_batches, keep_groups=False)
-        return [to_device(collate(c, self.pad_id), self.device) for c in chunks]
-
-    def _forward(self, batch, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The policy's log-probs (and entropies) of one micro-batch, without gradient."""
-        with torch.no_grad():
-            if self.packing == "padded":
-                return padded_forward(self.engine, batch, self.temperature, entropy)
-            logp, ent, _ = packed_forward(
-                self.engine, self.engine.module.get_output_embeddings(), batch,
-                self._mask(batch), self.temperature, self.cfg.learner.logprob_chunk_tokens,
-                entropy)
-            return logp, ent
 
     def _before_update(self, batches: list[list]) -> "_BeforeUpdate":
         """What every optimizer step of this batch needs from before the first one (one
@@ -246,14 +181,15 @@ class PolicyTrainer:
         moments = torch.zeros(3, dtype=torch.float64)
         for mbs in batches:
             if recompute or want_ent:
-                out = [self._forward(b, want_ent) for b in mbs]
+                out = [self.strategy.logprobs(self.engine, b, want_ent) for b in mbs]
                 if recompute:
                     proximal.append([lp.detach() for lp, _ in out])
                 if want_ent:
                     for b, (_, ent) in zip(mbs, out):
-                        moments += entropy_moments(ent, self._copies(b)).cpu()
-            if ref is not None:
-                ref.append([self._reference_logprobs(b) for b in mbs])
+                        moments += entropy_moments(ent, self.strategy.copies(b)).cpu()
+            if ref is not None:  # the frozen reference, on the same micro-batches
+                ref.append([self.strategy.logprobs(self.reference.engine, b, False)[0]
+                            for b in mbs])
         # one all-reduce: per mini-batch trained tokens, then the entropy moments
         # (on the device: NCCL reduces only GPU tensors)
         vec = torch.tensor([sum(b.num_weighted for b in mbs) for mbs in batches]
@@ -266,31 +202,13 @@ class PolicyTrainer:
             totals=vec[:n].tolist(), proximal=proximal, ref=ref,
             entropy_stats=stats_from_moments(vec[n:]) if want_ent else None)
 
-    def _copies(self, batch) -> torch.Tensor:
-        """Loss-weighted copies each log-prob position stands for (entropy statistics)."""
-        if self.packing == "padded":
-            return (batch.weight > 0).to(torch.float64)
-        return batch.count
-
-    def _reference_logprobs(self, batch) -> torch.Tensor:
-        if self.packing == "padded":
-            return self.reference.padded_logprobs(batch, self.temperature)
-        return self.reference.packed_logprobs(batch, self._mask(batch), self.temperature,
-                                              self.cfg.learner.logprob_chunk_tokens)
-
     def _loss(self, batch, total: float, pre: "_BeforeUpdate", j: int, i: int):
         """Loss and metrics of micro-batch ``i`` of mini-batch ``j``."""
         prox = pre.proximal[j][i] if pre.proximal is not None else None
         ref = pre.ref[j][i] if pre.ref is not None else None
-        if self.packing == "padded":
-            return padded_step_loss(self.engine, batch, self.loss_settings, self.temperature,
-                                    total, prox, ref, pre.entropy_stats)
-        return packed_step_loss(
-            self.engine, self.engine.module.get_output_embeddings(), batch, self._mask(batch),
-            self.loss_settings, self.temperature, self.cfg.learner.logprob_chunk_tokens, total,
-            prox, ref, pre.entropy_stats)
+        return self.strategy.loss(self.engine, batch, total, prox, ref, pre.entropy_stats)
 
-    def _accumulate(self, batches: list, loss_of, set_boundary: bool, total: float
+    def _accumulate(self, batches: list, loss_of, total: float
                     ) -> tuple[dict[str, float], float]:
         """Backward each micro-batch's share of the mini-batch's token-mean loss
         (``loss_of(i, batch, total)``, ``total`` the loss-weighted tokens over all ranks),
@@ -301,8 +219,7 @@ class PolicyTrainer:
         own_norm = None
         sums: dict[str, float] = {}
         for i, batch in enumerate(batches):
-            if set_boundary:
-                self.engine.set_gradient_accumulation_boundary(i == len(batches) - 1)
+            self.engine.set_gradient_accumulation_boundary(i == len(batches) - 1)
             loss, metrics = loss_of(i, batch, max(total, 1.0))
             # DeepSpeed averages gradients over ranks; the loss is already a share of
             # the global token mean, so undo that average.
@@ -331,28 +248,6 @@ class PolicyTrainer:
             return 0.0
         return float(torch.linalg.vector_norm(torch.stack(
             [torch.linalg.vector_norm(g.float()) for g in grads])))
-
-    # ------------------------------------------------------------------ packed batches
-    def _packed_batches(self, samples: list[LeafSample]) -> list[PackedBatch]:
-        """This rank's units in as many micro-batches as the busiest rank needs."""
-        units = build_units(samples, self.packing)
-        sizes = [u.num_tokens for u in units]
-        cap = self.cfg.learner.max_tokens_per_microbatch
-        n = torch.tensor([max(self.micro_batches, bins_needed(sizes, cap))], device=self.device)
-        if dist.is_initialized():
-            dist.all_reduce(n, op=dist.ReduceOp.MAX)
-        bins = split_bins(sizes, int(n.item()), cap)
-        batches = [collate_packed([units[i] for i in b], self.pad_id, self.align) for b in bins]
-        if self.zero3 and dist.is_initialized():
-            k = torch.tensor([b.ctx.shape[0] for b in batches], device=self.device)
-            dist.all_reduce(k, op=dist.ReduceOp.MAX)
-            batches = [pad_targets(b, int(x)) for b, x in zip(batches, k.tolist())]
-        return [to_device(b, self.device) for b in batches]
-
-    def _mask(self, batch: PackedBatch):
-        return TA.attention_mask(batch, self.attention, self.device,
-                                 next(self.engine.module.parameters()).dtype,
-                                 self.base_attention)
 
     # ------------------------------------------------------------------ weights
     def full_state(self) -> dict[str, np.ndarray]:

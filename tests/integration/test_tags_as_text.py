@@ -92,7 +92,7 @@ async def test_a_tool_call_ending_inside_a_merged_token(tags_as_text_model_dir, 
     from actors.agent_rollout import AgentRollout
     from actors.engines.vllm_engine import VLLMEngine
     from learner.batching import collate, samples_from_groups
-    from learner.trainer import padded_forward
+    from learner.strategies import padded_forward
     from toolenv.runner import build_tools
     from toolenv.tags import extract_answer, format_result
     from toolenv.tasks.prompts import Prompt, PromptSource

@@ -21,7 +21,7 @@ from learner import tree_attention as TA
 from learner.batching import balanced_split, collate, samples_from_groups
 from learner.logprobs import packed_forward, packed_step_loss
 from learner.packing import build_units, collate_packed, split_bins
-from learner.trainer import padded_forward, padded_step_loss
+from learner.strategies import padded_forward, padded_step_loss
 
 VOCAB = 40
 PAD = 0

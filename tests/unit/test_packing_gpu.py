@@ -17,7 +17,7 @@ from learner.batching import collate, samples_from_groups
 from learner.device import to_device
 from learner.logprobs import packed_step_loss
 from learner.packing import build_units, collate_packed
-from learner.trainer import padded_step_loss
+from learner.strategies import padded_step_loss
 
 pytestmark = [pytest.mark.gpu]
 
