@@ -367,7 +367,7 @@ class VLLMEngine:
         path = self._shm / f"v{version}.safetensors"
         try:
             safetensors.torch.save_file(state, str(path))
-        except BaseException:  # a full /dev/shm: no partial file left behind (issue 17)
+        except BaseException:  # a full /dev/shm: no partial file left behind
             path.unlink(missing_ok=True)
             raise
         t_file = time.perf_counter() - t0

@@ -1,4 +1,4 @@
-"""The chaos soak (issue 17): a real training run under continual, seeded random faults,
+"""The chaos soak: a real training run under continual, seeded random faults,
 then a verdict from the run's own records.
 
 ``python -m arpo_async.jobs.experiments chaos [--duration-s 1800] [--fault-every-s 45]

@@ -5,7 +5,7 @@ The roles are those of arpo_async/launcher/plan.py, the plan ``--dry-run`` print
 starts the local ones and prints the commands of the remote actors (started by hand on
 their machines, docs/scale-out.md).
 
-Faults (issue 7): a dead actor is restarted after a backoff (``actors.restart_backoff_s``,
+Faults: a dead actor is restarted after a backoff (``actors.restart_backoff_s``,
 doubling, at most 30 s) while the learner keeps training with the others; after
 ``actors.max_restarts`` restarts it is given up (the run goes on while any actor is
 left). A dead learner is restarted with ``--resume`` from its newest checkpoint up to
