@@ -92,7 +92,8 @@ class AgentRollout:
         self.settings = BranchSettings.from_config(cfg.rollout)
         self.vocab = len(tokenizer)
         # tools.syntax: where rounds stop, how calls are read and results inserted
-        self.syntax = getattr(source, "syntax", None) or build_syntax(cfg.tools, tokenizer)
+        self.syntax = getattr(source, "syntax", None) or build_syntax(
+            cfg.tools, tokenizer, cfg.model.chat_template_kwargs)
         self.stop_ids, self.stop_strings = [], []
         for tag in self.syntax.stop_strings:
             ids = tokenizer.encode(tag, add_special_tokens=False)

@@ -114,7 +114,8 @@ def cold_start_sft(cfg: Config, model_path: str, out: Path) -> dict:
                   batch_size=p.sft_batch_size, seed=cfg.run.seed, threads=p.threads,
                   warmup_frac=p.sft_warmup_frac, min_lr_frac=p.sft_min_lr_frac,
                   max_len=cfg.model.max_model_len, log=lambda s: print(s, flush=True),
-                  tools=cfg.tools)
+                  tools=cfg.tools, template_kwargs=cfg.model.chat_template_kwargs,
+                  chunk=cfg.learner.logprob_chunk_tokens)
     return {k: v for k, v in res.items() if k != "history"}
 
 

@@ -54,7 +54,7 @@ class PromptSource:
         self.items = self._load()
         from toolenv.syntax import build_syntax
 
-        self.syntax = build_syntax(cfg.tools, tokenizer)
+        self.syntax = build_syntax(cfg.tools, tokenizer, cfg.model.chat_template_kwargs)
         self.order = self.rng.permutation(len(self.items))
         self.pos = 0
         self.epoch = 0  # permutations used up: position = epoch * len(items) + pos
@@ -150,16 +150,19 @@ class PromptSource:
 def encode_prompt(tokenizer, system: str | None, question: str, syntax=None) -> list[int]:
     """The chat-templated prompt ids with the generation prompt. With a syntax, the tools
     reach the prompt its way (``ToolSyntax.prompt``: hermes through the template's
-    ``tools=``, or Qwen's tools block in the system prompt for a template without one)."""
-    tools = None
+    ``tools=``, or Qwen's tools block in the system prompt for a template without one) and
+    its chat-template arguments (``model.chat_template_kwargs``: Qwen3's
+    ``enable_thinking``)."""
+    tools, extra = None, {}
     if syntax is not None:
+        extra = syntax.template_kwargs
         if syntax.name == "hermes" and system == _suite_system():
             system = HERMES_SUITE_SYSTEM
         system, tools = syntax.prompt(system)
     messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": question})
     ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True,
-                                        add_generation_prompt=True)
+                                        add_generation_prompt=True, **extra)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return [int(t) for t in ids]
