@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from actors.branching import BranchPlanner, BranchSettings, aepo_global_samples
-from actors.engines.base import GenerationEngine, GenRequest
+from actors.engines.base import ContextOverflow, GenerationEngine, GenRequest
 from actors.rollout import Occupancy, new_group_id
 from arpo_async.core.entropy import entropy_from_topk, window_entropy
 from arpo_async.core.protocol import Trajectory, TrajectoryGroup
@@ -59,6 +59,7 @@ class _Path:
     rounds: int = 0
     finish_reason: str = ""
     overhang: str = ""  # text of the last round's last token past its stop string
+    context_full: bool = False  # ended because prompt + tokens filled model.max_model_len
 
     def fork(self, tid: int) -> _Path:
         """A fork shares everything up to and including the last tool result."""
@@ -103,6 +104,7 @@ class AgentRollout:
                 self.stop_strings.append(tag)
         if tokenizer.eos_token_id is not None:
             self.stop_ids.append(tokenizer.eos_token_id)
+        self.context_full = 0  # trajectories ended by model.max_model_len (all groups)
 
     # ------------------------------------------------------------------ one round
     async def _round(self, prompt: Prompt, path: _Path, read: bool) -> tuple[str, float, str]:
@@ -112,12 +114,23 @@ class AgentRollout:
         s = self.cfg.sampling
         budget = s.max_response_tokens - len(path.tokens)
         window = self.settings.entropy_window
-        res = await self.engine.generate(GenRequest(
-            prompt_tokens=prompt.tokens + path.tokens, max_tokens=min(s.max_new_tokens, budget),
-            temperature=s.temperature, top_p=s.top_p, stop_token_ids=self.stop_ids,
-            stop=self.stop_strings, logprobs_topk=s.logprobs_topk if read else 0,
-            topk_window=window if s.topk_window_only else 0,
-            seed=int(self.rng.integers(2**31))))
+        context = prompt.tokens + path.tokens
+        # What max_model_len leaves: a context that fills it ends the trajectory as
+        # length, counted, instead of a request the engine must refuse.
+        room = self.cfg.model.max_model_len - len(context)
+        seed = int(self.rng.integers(2**31))
+        if room < 1:
+            return self._no_room(path)
+        try:
+            res = await self.engine.generate(GenRequest(
+                prompt_tokens=context, max_tokens=min(s.max_new_tokens, budget, room),
+                temperature=s.temperature, top_p=s.top_p, stop_token_ids=self.stop_ids,
+                stop=self.stop_strings, logprobs_topk=s.logprobs_topk if read else 0,
+                topk_window=window if s.topk_window_only else 0, seed=seed))
+        except ContextOverflow:
+            return self._no_room(path)
+        if res.finish_reason == "length" and len(res.tokens) >= room:
+            self._count_full(path)  # this round filled max_model_len: nothing can follow
         path.tokens += res.tokens
         path.mask += [1] * len(res.tokens)
         path.logprobs += list(res.logprobs)
@@ -131,6 +144,17 @@ class AgentRollout:
         text, path.overhang = (split_at_stop(text, res.stop_reason) if res.finish_reason == "stop"
                                else (text, ""))
         return text, h, res.finish_reason
+
+    def _count_full(self, path: _Path) -> None:
+        self.context_full += 1
+        path.context_full = True
+
+    def _no_room(self, path: _Path) -> tuple[str, float, str]:
+        """No round fits: the trajectory ends as length, and no branch decision is made
+        (there is no round to read an entropy from)."""
+        self._count_full(path)
+        path.decide = False
+        return "", float("nan"), "length"
 
     async def _tool(self, path: _Path, call: ToolCall) -> None:
         # A call that cannot run (hermes: bad JSON, unknown tool, bad arguments) is
@@ -219,7 +243,9 @@ class AgentRollout:
             group_id=new_group_id(actor_id), actor_id=actor_id, prompt_id=prompt.id,
             prompt_tokens=np.asarray(prompt.tokens, np.int32), leaves=leaves,
             mode=self.cfg.rollout.mode, tool_calls_executed=group.executed,
-            stats={f"branch/{k}": v for k, v in group.stats().items()})
+            stats={**{f"branch/{k}": v for k, v in group.stats().items()},
+                   "rollout/context_full": float(sum(p.context_full
+                                                     for p in group.paths.values()))})
 
     def _leaf(self, prompt: Prompt, path: _Path, parent: int) -> Trajectory:
         text = self.tokenizer.decode(path.tokens, skip_special_tokens=False)
