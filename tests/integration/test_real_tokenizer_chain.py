@@ -10,9 +10,10 @@ writes, nine times in ten, the call below, and otherwise ``<answer> \\boxed{78} 
 Checked: the call is parsed, run in the sandbox and its output inserted as the template
 renders a tool message; the learner's log-probs agree with the actor's at step 1 (the
 importance ratio of every trained token within 1e-3) and after each update (a fixed
-probe sequence through vLLM and through the learner at versions 1 and 2); the rollout's entropy is normalised by ln of the tokenizer's size, as
-the ARPO reference divides by ``math.log(len(self.tokenizer.get_vocab()))``
-(RUC-NLPIR/ARPO ``vllm_rollout_with_tools.py``), not by the 151,936 padded logits.
+probe sequence through vLLM and through the learner at versions 1 and 2); the rollout's
+entropy is normalised by ln of the tokenizer's size, as the ARPO reference divides by
+``math.log(len(self.tokenizer.get_vocab()))`` (RUC-NLPIR/ARPO
+``vllm_rollout_with_tools.py``), not by the 151,936 padded logits.
 """
 
 from __future__ import annotations
