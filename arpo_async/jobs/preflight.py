@@ -6,7 +6,8 @@ need the tool classes or the model's tokenizer are injected from here.
 
 - ``tools.custom``: each class imported and checked against the tool protocol
   (toolenv/tool_classes.py), one line naming ``tools.custom[i]`` and the path.
-- ``model.path``: the tiny local model built there when missing (not on a dry run).
+- ``model.path``: the tiny local model built there when missing (not on a dry run,
+  which checks lengths only when the folder is there).
 - Lengths, once the tokenizer can be read: every prompt of the run's task, chat-templated
   as the actor sends it (system prompt, the tools block of ``tools.syntax``, question,
   ``model.chat_template_kwargs``), plus ``sampling.max_response_tokens``, against
@@ -47,13 +48,12 @@ def prepare_run(cfg: Config, dry_run: bool = False) -> None:
         check_custom_tools(cfg.tools)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if dry_run:
-        return
-    try:
-        cfg.model.path = resolve_model_path(cfg)
-    except (FileNotFoundError, ValueError, OSError) as exc:
-        raise ConfigError(str(exc).splitlines()[0]) from None
-    check_lengths(cfg)
+    if not dry_run:
+        try:
+            cfg.model.path = resolve_model_path(cfg)
+        except (FileNotFoundError, ValueError, OSError) as exc:
+            raise ConfigError(str(exc).splitlines()[0]) from None
+    check_lengths(cfg)  # a dry run checks them too when the model folder is there
 
 
 def check_lengths(cfg: Config, tokenizer=None) -> LengthReport | None:

@@ -12,7 +12,7 @@ import shutil
 import pytest
 from transformers import AutoTokenizer
 
-from arpo_async.core.config import ConfigError, load_config
+from arpo_async.core.config import SPINE_CONFIG, ConfigError, load_config
 from arpo_async.jobs import qwen_tokenizer as qt
 from arpo_async.jobs.preflight import check_lengths
 from arpo_async.jobs.tiny_model import padded_vocab_size
@@ -113,3 +113,14 @@ def test_cap_runs_and_reports_what_it_found(qwen3_model_dir):
                               "task.num_prompts=40", "tools.syntax=hermes",
                               "model.max_model_len=1024"])
     assert check_lengths(fits).over == 0
+
+
+def test_the_dry_run_refuses_a_run_that_cannot_fit(qwen3_model_dir, capsys):
+    from arpo_async.launch import main
+
+    rc = main(["--dry-run", "--config", str(SPINE_CONFIG), f"model.path={qwen3_model_dir}",
+               "task.num_prompts=20", "tools.enabled=[python]", "tools.syntax=hermes",
+               "sampling.max_response_tokens=400"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("config error: the longest prompt (arith-")
+    assert "> model.max_model_len=512" in err and err.count("\n") == 1
