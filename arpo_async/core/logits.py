@@ -28,6 +28,7 @@ import math
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 
@@ -65,14 +66,79 @@ def _chunk(lm_head, hidden: torch.Tensor, targets: torch.Tensor, temperature: fl
     return logp, ent, top
 
 
+class _ChunkedTargetLogp(torch.autograd.Function):
+    """log p(target) through a bias-free output layer, a chunk of rows at a time, with a
+    backward of its own: it keeps only each row's logsumexp and, per chunk, recomputes the
+    logits once (one GEMM) and turns them in place into the logits' gradient,
+    g (onehot - softmax) / T; then dh = dz W and dW = dz^T h. A checkpointed chunk would
+    also recompute logsumexp and the gather, and hold a second chunk x V buffer."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, chunk, want_hit):
+        k = hidden.shape[0]
+        logp = hidden.new_empty(k, dtype=torch.float32)
+        lse = hidden.new_empty(k, dtype=torch.float32)
+        hit = torch.zeros(k, dtype=torch.bool, device=hidden.device)
+        for a in range(0, k, chunk):
+            z = F.linear(hidden[a:a + chunk], weight).float()
+            if temperature != 1.0:
+                z.div_(temperature)
+            lse[a:a + chunk] = torch.logsumexp(z, dim=-1)
+            t = targets[a:a + chunk]
+            logp[a:a + chunk] = z.gather(-1, t[:, None]).squeeze(-1) - lse[a:a + chunk]
+            if want_hit:
+                hit[a:a + chunk] = z.argmax(-1) == t
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.mark_non_differentiable(hit)
+        return logp, hit
+
+    @staticmethod
+    def backward(ctx, grad, _hit_grad):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        temperature, chunk = ctx.temperature, ctx.chunk
+        dh = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        dw = (torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+              if ctx.needs_input_grad[1] else None)
+        for a in range(0, hidden.shape[0], chunk):
+            h, t, g = hidden[a:a + chunk], targets[a:a + chunk], grad[a:a + chunk].float()
+            z = F.linear(h, weight).float()
+            if temperature != 1.0:
+                z.div_(temperature)
+            dz = z.sub_(lse[a:a + chunk, None]).exp_().mul_(-g[:, None] / temperature)
+            dz[torch.arange(len(t), device=t.device), t] += g / temperature
+            dz = dz.to(weight.dtype)
+            if dh is not None:
+                dh[a:a + chunk] = dz @ weight
+            if dw is not None:
+                dw.addmm_(dz.t().float(), h.float())
+        return dh, None if dw is None else dw.to(weight.dtype), None, None, None, None
+
+
+def _fusable(lm_head) -> bool:
+    """A plain bias-free linear layer whose weight is whole here (not a ZeRO-3 partition,
+    which only a call of the module gathers)."""
+    w = getattr(lm_head, "weight", None)
+    return (isinstance(lm_head, torch.nn.Linear) and lm_head.bias is None and w is not None
+            and w.dim() == 2 and not hasattr(w, "ds_id"))
+
+
 def target_stats(lm_head, hidden: torch.Tensor, targets: torch.Tensor,
                  temperature: float = 1.0, chunk: int = 0, entropy: bool = False,
                  hit: bool = False) -> TargetStats:
     """Stats of each target [K] from ``hidden`` [K, H] and an output layer ``lm_head`` (a
-    module: ZeRO-3 gathers it per call), ``chunk`` rows at a time (0: all at once)."""
+    module: ZeRO-3 gathers it per call), ``chunk`` rows at a time (0: all at once).
+
+    Under autograd with chunks, the log-probs of a plain output layer go through
+    ``_ChunkedTargetLogp``; with entropies, or a partitioned layer, each chunk is
+    checkpointed instead (its logits recomputed in backward by calling the module)."""
     k = hidden.shape[0]
     step = chunk if chunk > 0 else max(k, 1)
     grad = torch.is_grad_enabled() and hidden.requires_grad and chunk > 0
+    if grad and k and not entropy and _fusable(lm_head):
+        logp, top = _ChunkedTargetLogp.apply(hidden, lm_head.weight, targets, temperature,
+                                             step, hit)
+        return TargetStats(logp, None, top if hit else None)
     parts = []
     for a in range(0, k, step):
         args = (lm_head, hidden[a:a + step], targets[a:a + step], temperature, entropy, hit)
