@@ -26,6 +26,20 @@ def _round_trip(state: dict) -> dict:
 # ----------------------------------------------------------------------------- hand cases
 
 
+def test_actors_that_never_said_bye_are_named_with_their_host_and_counts():
+    led = Ledger()
+    led.hello(0, pid=11, version=0, host="node-a")
+    led.hello(1, pid=12, version=0, host="node-b")
+    led.actor(0).last_seen, led.actor(1).last_seen = 100.0, 130.0
+    led.heartbeat(0, 1, {"pid": 11, "groups_sent": 5.0})
+    led.receive(0, 11.0)
+    led.bye(1, 0, {"pid": 12})
+    assert led.not_back(now=150.0) == [{"actor": 0, "host": "node-a", "silent_s": 50.0,
+                                        "said_sent": 5, "received": 1}]
+    led.hello(0, pid=11, version=1)  # a Hello without a host keeps the one it had
+    assert led.actor(0).host == "node-a"
+
+
 def test_one_actor_by_hand():
     led = Ledger()
     assert led.hello(0, pid=11, version=0) == ("new", 0)
