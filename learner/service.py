@@ -218,8 +218,9 @@ class LearnerService:
                 self.ledger.drop(group.actor_id, why)
                 if ticketed:
                     self.admission.release(1, why)
-            elif not ticketed:
+            elif not ticketed:  # trained without a counted ticket: it takes a slot
                 self.events["untracked"] += 1
+                self.admission.adopt(1)
             return keep
 
     def expire_silent(self, now: float | None = None) -> int:
