@@ -102,7 +102,6 @@ def main(argv: list[str] | None = None) -> int:
     from arpo_async.core.config import load_config
     from arpo_async.core.protocol import ExitCode
     from arpo_async.core.rundir import record_exit
-
     from arpo_async.core.transport import TransportTimeout
 
     cfg = load_config(args.config)
