@@ -3,7 +3,8 @@
 
 Writes one sbatch script, a heterogeneous job: component 0 holds the learner's nodes,
 component 1 the actors' nodes. Slurm starts the learner ranks (one ``torchrun`` per
-learner node, with a c10d rendezvous at the first learner node, ``cluster.master_port``)
+learner node, node rank ``SLURM_NODEID``, rendezvous at the first learner node on
+``cluster.master_port``, which so holds rank 0 and the sockets the actors connect to)
 and one ``launch actor --connect`` srun step per actor, ``actors.num / M`` on each actor
 node; nothing of ours reaches across machines. Before writing it, the config is resolved
 once, as the launcher does: ``RUN_DIR/config.yaml``, the CurveZMQ keys in
@@ -143,12 +144,14 @@ learner_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_0" | head 
 learner_addr=$(scontrol show node "$learner_node" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')
 learner_addr=${{learner_addr:-$learner_node}}
 echo "learner: nodes $SLURM_JOB_NODELIST_HET_GROUP_0, rank 0 on $learner_node ($learner_addr)"
+# one torchrun per learner node; node 0 (rank 0: the sockets) is $learner_node
 srun --het-group=0 --kill-on-bad-exit=1 \\
   env OMP_NUM_THREADS={cfg.learner.threads} DS_ACCELERATOR={accel} \\
-  "$PY" -m torch.distributed.run --nnodes={lay.nodes_learner} \\
-  --nproc-per-node={lay.ranks_per_node} --rdzv-backend=c10d \\
-  --rdzv-endpoint="$learner_addr:{port}" --rdzv-id="$SLURM_JOB_ID" \\
-  -m learner.main --config {config} > {run}/logs/learner.log 2>&1 &
+  MASTER_ADDR="$learner_addr" bash -c 'exec "$0" -m torch.distributed.run \\
+  --nnodes={lay.nodes_learner} --nproc-per-node={lay.ranks_per_node} \\
+  --node-rank="$SLURM_NODEID" --master-addr="$MASTER_ADDR" --master-port={port} \\
+  -m learner.main --config "$1"' "$PY" {config} \\
+  > {run}/logs/learner.log 2>&1 &
 learner=$!
 actors=()
 actor_id=0

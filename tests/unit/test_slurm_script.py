@@ -60,7 +60,8 @@ def test_script_is_bash_and_places_each_part():
     assert "#SBATCH --gpus-per-node=2" in head and "#SBATCH --partition=gpu" in head
     assert actors.startswith("#SBATCH --partition=gpu\n#SBATCH --time=02:00:00\n"
                              "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=2")
-    assert "--nnodes=2 \\\n  --nproc-per-node=2" in text and ":29555" in text
+    assert "--nnodes=2 --nproc-per-node=2" in text and "--master-port=29555" in text
+    assert '--node-rank="$SLURM_NODEID"' in text
     assert "for _ in $(seq 2)" in text and "--gpus=1" in text
     assert "PY=/env/python" in text and "#SBATCH --chdir=/shared/repo" in text
 
