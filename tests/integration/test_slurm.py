@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -28,12 +29,20 @@ _NODES = ("n1", "n2")
 
 
 def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
+    """``n`` ports free now, below the kernel's ephemeral range: between our choosing
+    them and a daemon or the learner binding them, the sockets srun and slurmstepd open
+    take ephemeral ports, and one once took the learner's ("Address already in use")."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng, ports = random.Random(os.getpid()), []
+    while len(ports) < n:
+        port = rng.randrange(20000, min(low, 29000))
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        if port not in ports:
+            ports.append(port)
     return ports
 
 
