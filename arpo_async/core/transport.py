@@ -33,6 +33,7 @@ import zmq.asyncio
 
 from arpo_async.core.keys import (
     ClientKeys,
+    HandshakeWatch,
     ServerKeys,
     configure_client,
     configure_server,
@@ -87,18 +88,24 @@ class _Rejections:
     def denied(self, key: bytes) -> None:
         self.add("curve_denied", f"client key {key[:8]!r}...")
 
+    def keyless(self, event: int) -> None:
+        self.add("handshake_failed", f"monitor event {event}: a peer without CurveZMQ keys")
+
 
 class _BoundSocket:
-    """A bound server socket with its own context (and ZAP authenticator when curve)."""
+    """A bound server socket with its own context (with curve: a ZAP authenticator, and
+    ``watch``, which counts peers without keys when polled from the socket's thread)."""
 
     def __init__(self, kind: int, bind: str, max_bytes: int, curve: ServerKeys | None,
                  rejected: _Rejections, **options: int):
         self.ctx = zmq.Context()
-        self.auth = None
+        self.auth = self.watch = None
         try:
             if curve is not None:
                 self.auth = start_authenticator(self.ctx, curve, rejected.denied)
             self.sock = self.ctx.socket(kind)
+            if curve is not None:
+                self.watch = HandshakeWatch(self.sock, rejected.keyless)
             self.sock.linger = 0
             self.sock.maxmsgsize = max_bytes * _HARD_LIMIT
             for name, value in options.items():  # before bind: a listener copies them
@@ -112,6 +119,8 @@ class _BoundSocket:
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def close(self) -> None:
+        if self.watch is not None:  # before term(), which waits for every socket
+            self.watch.close()
         if getattr(self, "sock", None) is not None and not self.sock.closed:
             self.sock.close(linger=0)
         if self.auth is not None:
@@ -141,6 +150,8 @@ class TrajectoryReceiver:
     def recv(self, timeout_s: float) -> TrajectoryGroup | None:
         """The next valid group, or None after ``timeout_s``; bad messages are skipped."""
         sock = self._bound.sock
+        if self._bound.watch is not None:
+            self._bound.watch.poll()
         deadline = time.monotonic() + timeout_s
         while True:
             wait_ms = max(0, int((deadline - time.monotonic()) * 1000))
@@ -254,6 +265,8 @@ class ControlServer:
         sock = self._bound.sock
         try:
             while not self._stop.is_set():
+                if self._bound.watch is not None:
+                    self._bound.watch.poll()
                 if not sock.poll(_POLL_MS, zmq.POLLIN):
                     continue
                 try:
