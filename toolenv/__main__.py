@@ -24,7 +24,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m toolenv", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve-retriever", help="BM25 retriever over a JSONL corpus (POST /retrieve)")
+    s = sub.add_parser("serve-retriever",
+                       help="BM25 retriever over a JSONL corpus (POST /retrieve)")
     s.add_argument("--corpus", required=True, help='JSONL: {"id","contents"} or {"title","text"}')
     s.add_argument("--port", type=int, default=8000, help="port (0: pick a free one)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind")
