@@ -293,7 +293,7 @@ class PythonTool:
                          max_procs=self.sandbox.limits.max_procs + _SESSION_PROCS)
         settings = json.dumps({"ready": READY.decode("latin-1"),
                                "preload": [*self.preload, "cloudpickle", "tarfile"]})
-        proc, release = replace(self.sandbox, limits=limits).spawn(
+        proc, release = replace(self.sandbox, limits=limits, as_pid_1=True).spawn(
             [self.python, "-s", "-u", "-c", _SESSION_CHILD, settings])
         return SessionSandbox(proc, release)
 
@@ -364,12 +364,12 @@ class PythonTool:
                               latency_s=reply.wall_s)
         text = self._clip(text.rstrip(), keep_tail=True)
         kept = "" if status.get("kept") else (
-            " The session keeps its state from before this call.")
+            " (the session keeps its state from before this call)")
         rebuilt = " Its state from before this call is rebuilt at the next call."
         note, error = {
             "exception": ("", "exception"),
-            "exit": (f"exit code {status.get('code')}.{kept}", "exit_code"),
-            "killed": (f"{self._signal_text(int(status.get('signal', 9)))}.{kept}", "killed"),
+            "exit": (f"exit code {status.get('code')}{kept}", "exit_code"),
+            "killed": (f"{self._signal_text(int(status.get('signal', 9)))}{kept}", "killed"),
             "timeout": (f"TimeoutError: execution exceeded the {self.wall_timeout_s:g} s time "
                         f"limit; the session was stopped.{rebuilt}", "timeout"),
             "flood": (f"Output flood: the session was stopped.{rebuilt}", "killed"),

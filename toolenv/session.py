@@ -204,7 +204,7 @@ class SessionManager:
         for i, code in enumerate(behind, start=session.live_len):
             reply = await session.sandbox.request(
                 "exec", code.encode("utf-8", "replace"), timeout_s=self.wall_timeout_s,
-                max_bytes=0, cap=0)
+                max_bytes=0, cap=self.cap, quiet=True)
             if not reply.status.get("kept"):
                 if reply.kind in _LOST:
                     self._drop(session, "lost")
@@ -268,10 +268,9 @@ class SessionManager:
         while len(self._live) >= self.max_live:
             idle = [s for s in self._live.values() if not s.busy]
             if idle:
-                self._drop(min(idle, key=lambda s: s.last_used), "evicted")
+                self._drop(min(idle, key=lambda s: s.last_used), "evictions")
                 return
-            self._freed = self._freed or asyncio.Event()
-            self._freed.clear()
+            self._freed = asyncio.Event()  # of this loop (a tool may serve several in turn)
             await self._freed.wait()
 
     def _touch(self, session: PySession) -> None:

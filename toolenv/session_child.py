@@ -6,8 +6,10 @@ toolenv/session.py (histories, forks, replays).
 Runs as ``python -s -u -c <this file's text> <settings JSON>``, so it imports only the
 standard library and cloudpickle: the project is hidden inside the sandbox.
 
-Processes. The first one (the *keeper*) imports the preloads, becomes the child subreaper
-and forks the *holder*, then only reaps; the sandbox lives as long as it does. The holder
+Processes. The first one (the *keeper*) is the pid namespace's init (bwrap --as-pid-1, so
+no call can kill it: init ignores signals it has no handler for); it imports the
+preloads, forks the *holder*, then only reaps; the sandbox lives as long as it does
+(without a sandbox, mode none, it is a child subreaper instead). The holder
 keeps the state (``state["scope"]``, the namespace the code runs in) and reads requests:
 
 - ``exec``: fork an *executor* that runs the code (its CPU clock starts at zero, so the
@@ -15,12 +17,14 @@ keeps the state (``state["scope"]``, the namespace the code runs in) and reads r
   the executor forks the next holder (again with a fresh CPU clock) and the old holder and
   the executor exit. When it is killed (CPU limit, a signal, ``os._exit``), the old holder
   stays, with the state from before the call. Output goes to the pipe as it is written;
-  Python-level output past ``cap`` bytes is dropped here (``truncated``).
+  Python-level output past ``cap`` bytes stops the call there (``truncated``, an ok call
+  that keeps what it did, as a stateless call is stopped at the cap); a replay (``quiet``)
+  counts the same bytes without writing them, so it stops at the same point.
 - ``dump``: a forked process writes the checkpoint (cloudpickle of the namespace, functions
-  and classes of the session by value, modules by name; the files under /tmp as a tar; the
-  environment, cwd, cell sources and the random and numpy.random states) into a pipe; the
-  holder sends it on. Forked, so that a ``__reduce__`` of the session's own cannot change
-  the state it is copying.
+  and classes of the session by value, modules by name; the files of its scratch folder
+  (/tmp) as a tar; the environment, cwd, cell sources and the random and numpy.random
+  states) into a pipe; the holder sends it on. Forked, so that a ``__reduce__`` of the
+  session's own cannot change the state it is copying.
 - ``load``: like exec, with a checkpoint instead of code: the namespace is restored into a
   fresh holder of this (new, empty) sandbox.
 
@@ -51,6 +55,10 @@ _END = b"\x00arpo-end-"
 _PR_SET_CHILD_SUBREAPER = 36
 _CELL = "<cell {}>"
 _SKIP = {"__builtins__"}
+# The session's scratch folder, its cwd at start: /tmp in a sandbox, a temporary folder
+# of its own without one (mode none), never the host's /tmp.
+_SCRATCH = os.getcwd()
+_HANDOVER_WAIT_S = 1.0  # longest wait for the old holder to exit at a hand-over
 
 
 def _read_exact(n):
@@ -74,49 +82,64 @@ def _reply(nonce, status, payload=b""):
     _write_all(1, _END + nonce.encode() + b"\x00" + json.dumps(status).encode() + b"\n" + payload)
 
 
-class _Capped(io.RawIOBase):
-    """fd 1 for sys.stdout and sys.stderr of a call: drops what passes the cap in-process."""
+class _OutputCut(BaseException):
+    """Raised inside a call's print once its output passes the cap: the call stops there,
+    as a stateless call is stopped at the cap, and keeps what it did so far."""
 
-    def __init__(self, budget):
-        self.budget = [budget]
-        self.dropped = False
+
+class _Capped(io.RawIOBase):
+    """fd 1 behind a call's sys.stdout and sys.stderr: counts its output against the cap and
+    stops the call past it. ``quiet`` (a replay) counts the same but writes nothing, so a
+    replayed call stops where it stopped the first time."""
+
+    def __init__(self, budget, quiet):
+        self.budget, self.quiet = budget, quiet
+        self.cut = False
 
     def writable(self):
         return True
 
     def write(self, data):
-        keep = min(len(data), max(self.budget[0], 0))
-        if keep:
+        keep = min(len(data), max(self.budget, 0))
+        if keep and not self.quiet:
             _write_all(1, bytes(data[:keep]))
-        self.budget[0] -= keep
+        self.budget -= keep
         if keep < len(data):
-            self.dropped = True
+            self.cut = True
+            raise _OutputCut()
         return len(data)
 
+    def say(self, text):
+        """Our own last words for the call (a traceback): within the cap, never raising."""
+        try:
+            self.write(text.encode("utf-8", "backslashreplace"))
+        except _OutputCut:
+            pass
 
-def _streams(cap):
-    raw = _Capped(cap)
+
+def _streams(cap, quiet):
+    raw = _Capped(cap, quiet)
     for name in ("stdout", "stderr"):
         setattr(sys, name, io.TextIOWrapper(raw, encoding="utf-8", errors="backslashreplace",
                                             write_through=True))
     return raw
 
 
-def _exit_code(code):
+def _exit_code(code, raw):
     if code is None:
         return 0
     if isinstance(code, int):
         return code & 255
-    print(code, file=sys.stderr)
+    raw.say(f"{code}\n")  # as the interpreter treats SystemExit("message")
     return 1
 
 
-def _execute(state, code, cap):
+def _execute(state, code, cap, quiet):
     cell = _CELL.format(state["cells"])
     state["cells"] += 1
     linecache.cache[cell] = (len(code), None, code.splitlines(True), cell)
     state["sources"][cell] = code
-    raw = _streams(cap)
+    raw = _streams(cap, quiet)
     scope = state["scope"]
     status = {"kind": "ok"}
     try:
@@ -125,22 +148,32 @@ def _execute(state, code, cap):
         exec(compile(tree, cell, "exec"), scope)
         if last is not None:
             exec(compile(ast.Interactive(body=[last]), cell, "single"), scope)
+    except _OutputCut:
+        pass  # stopped at the cap: an ok call whose output was cut
     except SystemExit as exc:
-        status = {"kind": "exit", "code": _exit_code(exc.code)}
+        status = {"kind": "exit", "code": _exit_code(exc.code, raw)}
     except BaseException as exc:
-        tb = exc.__traceback__
-        while tb is not None and not tb.tb_frame.f_code.co_filename.startswith("<cell "):
-            tb = tb.tb_next
-        sys.stderr.write("".join(traceback.format_exception(type(exc), exc, tb, limit=-8)))
-        status = {"kind": "exception"}
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
-    if raw.dropped:
+        if not raw.cut:  # else the cut, caught and re-raised as another error by the code
+            tb = exc.__traceback__
+            while tb is not None and not tb.tb_frame.f_code.co_filename.startswith("<cell "):
+                tb = tb.tb_next
+            raw.say("".join(traceback.format_exception(type(exc), exc, tb, limit=-8)))
+            status = {"kind": "exception"}
+    if raw.cut:
         status["truncated"] = True
     return status
+
+
+def _fork():
+    """os.fork for the session's own processes: the random module reseeds itself in a
+    forked child (os.register_at_fork), which would make every call a new random stream;
+    a session's calls continue one stream, as in a single interpreter."""
+    rnd = sys.modules.get("random")
+    saved = rnd.getstate() if rnd is not None else None
+    pid = os.fork()
+    if pid == 0 and saved is not None:
+        rnd.setstate(saved)
+    return pid
 
 
 def _wait_child(pid, r):
@@ -183,10 +216,10 @@ def _in_fork(state, nonce, work):
     hand_over the fork becomes the holder (through a fresh fork of its own, whose CPU clock
     starts at zero) and this process exits; else this one stays, as it was."""
     r, w = os.pipe()
-    pid = os.fork()
+    pid = _fork()
     if pid == 0:
         os.close(r)
-        me = os.getpid()
+        me, old_holder = os.getpid(), os.pidfd_open(os.getppid())
         status, hand_over = work(state)
         if os.getpid() != me:  # a process the call forked fell through: not ours to run
             os._exit(0)
@@ -197,7 +230,16 @@ def _in_fork(state, nonce, work):
         if not hand_over:
             os._exit(0)
         os.close(w)
-        if os.fork() == 0:
+        # The old holder's process slot is needed for the new one: a call may have used
+        # every other slot of the session's process limit. It exits at once (bounded wait:
+        # a call could have stopped it).
+        select.select([old_holder], [], [], _HANDOVER_WAIT_S)
+        os.close(old_holder)
+        try:
+            holder = _fork() == 0
+        except OSError:  # still no slot: this process holds the state, CPU clock and all
+            holder = True
+        if holder:
             _reply(nonce, dict(status, kept=True))
             return True
         os._exit(0)
@@ -217,8 +259,8 @@ def _main_scope():
 def _tmp_tar():
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
-        for name in sorted(os.listdir("/tmp")):
-            tar.add(os.path.join("/tmp", name), arcname=name,
+        for name in sorted(os.listdir(_SCRATCH)):
+            tar.add(os.path.join(_SCRATCH, name), arcname=name,
                     filter=lambda t: t if (t.isreg() or t.isdir() or t.issym()) else None)
     return buf.getvalue()
 
@@ -233,14 +275,15 @@ def _checkpoint(state):
     if "numpy" in sys.modules:
         extra["numpy"] = sys.modules["numpy"].random.get_state()
     ns = {k: v for k, v in scope.items() if k not in _SKIP}
-    return cloudpickle.dumps({"ns": ns, "env": dict(os.environ), "cwd": os.getcwd(),
+    cwd = os.path.relpath(os.getcwd(), _SCRATCH)
+    return cloudpickle.dumps({"ns": ns, "env": dict(os.environ), "cwd": cwd,
                               "cells": state["cells"], "sources": state["sources"],
                               "extra": extra, "tmp": _tmp_tar()})
 
 
 def _dump(state, nonce, limit):
     r, w = os.pipe()
-    pid = os.fork()
+    pid = _fork()
     if pid == 0:
         os.close(r)
         try:
@@ -299,9 +342,10 @@ def _restore(state, payload):
     os.environ.clear()
     os.environ.update(ckpt["env"])
     with tarfile.open(fileobj=io.BytesIO(ckpt["tmp"]), mode="r") as tar:
-        tar.extractall("/tmp", filter="data")
-    if os.path.isdir(ckpt["cwd"]):
-        os.chdir(ckpt["cwd"])
+        tar.extractall(_SCRATCH, filter="data")
+    cwd = os.path.normpath(os.path.join(_SCRATCH, ckpt["cwd"]))
+    if cwd.startswith(_SCRATCH) and os.path.isdir(cwd):
+        os.chdir(cwd)
     extra = ckpt["extra"]
     if "random" in extra:
         __import__("random").setstate(extra["random"])
@@ -312,8 +356,8 @@ def _restore(state, payload):
     state.update(scope=scope, cells=ckpt["cells"], sources=dict(ckpt["sources"]))
 
 
-def _exec_work(code, cap):
-    return lambda state: (_execute(state, code, cap), True)
+def _exec_work(code, cap, quiet):
+    return lambda state: (_execute(state, code, cap, quiet), True)
 
 
 def _load_work(payload):
@@ -335,7 +379,8 @@ def _serve(state):
         payload = _read_exact(head["n"])
         nonce, op = head["end"], head["op"]
         if op == "exec":
-            _in_fork(state, nonce, _exec_work(payload.decode("utf-8", "replace"), head["cap"]))
+            code = payload.decode("utf-8", "replace")
+            _in_fork(state, nonce, _exec_work(code, head["cap"], head.get("quiet", False)))
         elif op == "load":
             _in_fork(state, nonce, _load_work(payload))
         elif op == "dump":
@@ -344,26 +389,47 @@ def _serve(state):
             _reply(nonce, {"kind": "error", "message": f"unknown op {op!r}"})
 
 
+def _keep(host):
+    """The keeper's loop: reap every child; end the sandbox (as init, taking everything in
+    it along) when the host's end of the request pipe closes (the host stopped the session,
+    or died), or when no process is left."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    poller = select.poll()
+    poller.register(host, 0)  # a pipe's read end reports POLLHUP once no writer is left
+    poller.register(wake_r, select.POLLIN)
+    while True:
+        for fd, _ in poller.poll():
+            if fd == host:
+                os._exit(0)
+            os.read(wake_r, 4096)
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+        except ChildProcessError:
+            os._exit(0)
+
+
 def main():
-    ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # for mode none
     for name in _SETTINGS.get("preload", []):
         try:
             __import__(name)
         except Exception:
             pass
+    host = os.dup(0)
     pid = os.fork()
     if pid == 0:
+        os.close(host)
         os.write(1, _READY)
         state = {"scope": _main_scope(), "cells": 1, "sources": {}}
         _serve(state)
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
-    while True:
-        try:
-            os.wait()
-        except ChildProcessError:
-            os._exit(0)
+    _keep(host)
 
 
 if __name__ == "__main__":

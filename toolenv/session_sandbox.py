@@ -23,6 +23,7 @@ import asyncio
 import json
 import os
 import secrets
+import select
 import signal
 import struct
 import subprocess
@@ -185,19 +186,32 @@ class SessionSandbox:
         return reply
 
     def kill(self) -> None:
-        """Kill the whole sandbox and reap it at once (bwrap dies in milliseconds)."""
+        """Stop the whole sandbox now, and return once everything in it is gone: bwrap is
+        killed, the request pipe closed (the keeper, the sandbox's init, ends it on that),
+        and the output pipe read to EOF, which comes when its last process has died."""
         if self._closed:
             return
+        self._closed = True
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+        self.proc.stdin.close()
+        gone = self._drain(time.monotonic() + _REAP_TIMEOUT_S)
         try:
             self.proc.wait(_REAP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            pass  # its uid stays locked (never handed out again) rather than shared
-        self._closed = True
-        for stream in (self.proc.stdin, self.proc.stdout):
-            stream.close()
-        if self.proc.returncode is not None:
+            gone = False
+        self.proc.stdout.close()
+        if gone:  # else its uid stays locked (never handed out again) rather than shared
             self._release()
+
+    def _drain(self, deadline: float) -> bool:
+        while (left := deadline - time.monotonic()) > 0:
+            if select.select([self._out], [], [], left)[0]:
+                try:
+                    if not os.read(self._out, _READ_CHUNK):
+                        return True
+                except BlockingIOError:
+                    pass
+        return False
