@@ -7,8 +7,9 @@ backoff for transient errors only -> cache store of successful results. Errors a
 timeouts are never cached, and a timeout is never retried (a snippet that ran out of time
 once will do so again).
 
-``build_tools`` wires the tools listed in ``ToolsConfig.enabled`` and the classes named in
-``ToolsConfig.custom``: a custom tool gets exactly this runner, its calls counted per tool
+``build_tools`` wires the tools listed in ``ToolsConfig.enabled``, the classes named in
+``ToolsConfig.custom`` and the tools of the ``ToolsConfig.mcp`` servers (toolenv/
+mcp_tools.py): a custom or MCP tool gets exactly this runner, its calls counted per tool
 like the built-in ones. A call that cannot run (a Hermes call whose JSON does not parse,
 names no known tool, or has arguments its schema rejects) is answered by ``reject``:
 counted as a call and an error, never executed.
@@ -272,6 +273,10 @@ def build_tools(cfg: ToolsConfig, run_dir: str | Path) -> ToolRunner:
             raise ValueError(f"tools.enabled: unknown tool {name!r} (known: python, search)")
     try:
         tools |= custom_tools(cfg)
+        if cfg.mcp:
+            from toolenv.mcp_tools import mcp_tools
+
+            tools |= mcp_tools(cfg, taken=set(tools))
     except ConfigError:
         cache.close()
         raise
