@@ -159,6 +159,18 @@ class SessionManager:
             await self.pool.close()
 
     # ------------------------------------------------------------------ calls
+    async def prepare(self, session: PySession) -> Reply | None:
+        """Bring the session's sandbox to the end of its history now (restore a fork's
+        checkpoint, replay, catch up), as its next call would; the reply that says why
+        not, or None (bench/python_session.py times forks and replays with it)."""
+        async with session._lock:
+            session.busy = True
+            try:
+                return await self._materialise(session)
+            finally:
+                session.busy = False
+                self._touch(session)
+
     async def call(self, session: PySession, code: str) -> Reply:
         """Run ``code`` in the session (rebuilding its state first if needed)."""
         if session.closed:

@@ -230,15 +230,17 @@ def _in_fork(state, nonce, work):
         if not hand_over:
             os._exit(0)
         os.close(w)
-        # The old holder's process slot is needed for the new one: a call may have used
-        # every other slot of the session's process limit. It exits at once (bounded wait:
-        # a call could have stopped it).
-        select.select([old_holder], [], [], _HANDOVER_WAIT_S)
-        os.close(old_holder)
         try:
             holder = _fork() == 0
-        except OSError:  # still no slot: this process holds the state, CPU clock and all
-            holder = True
+        except OSError:
+            # No process slot: the call used every other one of the session's limit. The
+            # old holder's frees as it exits (a bounded wait: a call could have stopped it).
+            select.select([old_holder], [], [], _HANDOVER_WAIT_S)
+            try:
+                holder = _fork() == 0
+            except OSError:  # still none: this process holds the state, CPU clock and all
+                holder = True
+        os.close(old_holder)
         if holder:
             _reply(nonce, dict(status, kept=True))
             return True
@@ -257,9 +259,13 @@ def _main_scope():
 
 
 def _tmp_tar():
+    """The scratch folder's files as an uncompressed tar (b"" when it is empty)."""
+    names = sorted(os.listdir(_SCRATCH))
+    if not names:
+        return b""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
-        for name in sorted(os.listdir(_SCRATCH)):
+        for name in names:
             tar.add(os.path.join(_SCRATCH, name), arcname=name,
                     filter=lambda t: t if (t.isreg() or t.isdir() or t.issym()) else None)
     return buf.getvalue()
@@ -341,8 +347,9 @@ def _restore(state, payload):
     scope.update(_main_scope())
     os.environ.clear()
     os.environ.update(ckpt["env"])
-    with tarfile.open(fileobj=io.BytesIO(ckpt["tmp"]), mode="r") as tar:
-        tar.extractall(_SCRATCH, filter="data")
+    if ckpt["tmp"]:  # "r:", not "r": probing for compressions costs milliseconds
+        with tarfile.open(fileobj=io.BytesIO(ckpt["tmp"]), mode="r:") as tar:
+            tar.extractall(_SCRATCH, filter="data")
     cwd = os.path.normpath(os.path.join(_SCRATCH, ckpt["cwd"]))
     if cwd.startswith(_SCRATCH) and os.path.isdir(cwd):
         os.chdir(cwd)
