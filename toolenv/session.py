@@ -54,6 +54,10 @@ def next_digest(digest: str, code: str) -> str:
     return hashlib.sha256(f"{digest}\n{canonical_args('python', code)}".encode()).hexdigest()
 
 
+def _rebuilding(session: PySession) -> bool:
+    return session._rebuild is not None and not session._rebuild.done()
+
+
 class PySession:
     """One trajectory's interpreter (see the module docstring); made by ``SessionManager``."""
 
@@ -69,6 +73,7 @@ class PySession:
         self.closed = False
         self.last_used = time.monotonic()
         self._lock = asyncio.Lock()
+        self._rebuild: asyncio.Task | None = None  # a materialisation in progress
 
     def advance(self, code: str) -> None:
         """A cached result stood for this call: the state moves on as if it had run."""
@@ -116,6 +121,8 @@ class SessionManager:
         child = PySession(self, parent.history, parent.digest, parent.checkpoint)
         self.counts["opened"] += 1
         async with parent._lock:
+            if parent._rebuild is not None and not parent._rebuild.done():
+                await asyncio.shield(parent._rebuild)
             sandbox = parent.sandbox
             if sandbox is not None and sandbox.alive and parent.live_len > 0:
                 reply = await sandbox.request("dump", timeout_s=self.wall_timeout_s,
@@ -166,7 +173,7 @@ class SessionManager:
         async with session._lock:
             session.busy = True
             try:
-                return await self._materialise(session)
+                return await self._ready(session)
             finally:
                 session.busy = False
                 self._touch(session)
@@ -178,7 +185,7 @@ class SessionManager:
         async with session._lock:
             session.busy = True
             try:
-                problem = await self._materialise(session)
+                problem = await self._ready(session)
                 if problem is not None:
                     return problem
                 reply = await session.sandbox.request(
@@ -193,6 +200,15 @@ class SessionManager:
             finally:
                 session.busy = False
                 self._touch(session)
+
+    async def _ready(self, session: PySession) -> Reply | None:
+        """``_materialise`` in a task of its own, shielded: a call cancelled (its timeout)
+        while the state is being rebuilt leaves the rebuild running, and the next call
+        waits for it instead of starting over (a long history could otherwise never be
+        rebuilt within one call's time). Called with the session's lock held."""
+        if session._rebuild is None or session._rebuild.done():
+            session._rebuild = asyncio.ensure_future(self._materialise(session))
+        return await asyncio.shield(session._rebuild)
 
     async def _materialise(self, session: PySession) -> Reply | None:
         """A live sandbox at the end of the history, or the reply that says why not."""
@@ -278,7 +294,7 @@ class SessionManager:
         """Past the cap, stop the least recently used idle session (it replays later);
         when every live one is in a call, wait until one is not."""
         while len(self._live) >= self.max_live:
-            idle = [s for s in self._live.values() if not s.busy]
+            idle = [s for s in self._live.values() if not s.busy and not _rebuilding(s)]
             if idle:
                 self._drop(min(idle, key=lambda s: s.last_used), "evictions")
                 return
@@ -293,7 +309,8 @@ class SessionManager:
             asyncio.get_running_loop().call_later(self.idle_s, self._idle, session, stamp)
 
     def _idle(self, session: PySession, stamp: float) -> None:
-        if session.last_used == stamp and not session.busy and session.sandbox is not None:
+        if (session.last_used == stamp and not session.busy and not _rebuilding(session)
+                and session.sandbox is not None):
             self._drop(session, "idle_stops")
 
     # ------------------------------------------------------------------ figures

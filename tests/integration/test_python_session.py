@@ -141,6 +141,18 @@ async def test_a_killed_session_answers_with_an_error_and_is_rebuilt(make_tool):
     assert stats["session_lost"] == 1 and stats["session_replays"] == 1, stats
 
 
+async def test_a_rebuild_outlives_the_call_that_timed_out_waiting_for_it(make_tool):
+    tool = make_tool()
+    session = tool.open_session()
+    await _texts(tool, session, "import time\nn = 0", *["time.sleep(0.4)\nn += 1"] * 3)
+    session.sandbox.kill()  # its state must be replayed: 1.2 s of sleeps
+    with pytest.raises(asyncio.TimeoutError):  # as the runner's timeout cancels a call
+        await asyncio.wait_for(tool.call_in(session, "n"), 0.3)
+    assert await _texts(tool, session, "n") == ["3"]
+    stats = tool.stats()  # the second call waited for the first one's replay
+    assert stats["session_replays"] == 1 and stats["session_replayed_calls"] == 4, stats
+
+
 async def test_the_cache_serves_a_result_only_to_the_same_history(tmp_path):
     if shutil.which("bwrap") is None:
         pytest.skip("bubblewrap (bwrap) is not installed")
