@@ -156,8 +156,15 @@ class SessionManager:
             sandbox.kill()
             if why:
                 self.counts[why] += 1
+        self._wake_waiters()
+
+    def _wake_waiters(self) -> None:
+        """Calls waiting for a live slot (``_make_room``) look again."""
         if self._freed is not None:
-            self._freed.set()
+            try:
+                self._freed.set()
+            except RuntimeError:  # its loop is closed (a tool serves one loop at a time)
+                self._freed = None
 
     async def close_all(self) -> None:
         for session in list(self._live.values()):
@@ -303,8 +310,7 @@ class SessionManager:
 
     def _touch(self, session: PySession) -> None:
         session.last_used = stamp = time.monotonic()
-        if self._freed is not None:
-            self._freed.set()
+        self._wake_waiters()
         if session.sandbox is not None:
             asyncio.get_running_loop().call_later(self.idle_s, self._idle, session, stamp)
 
