@@ -136,7 +136,7 @@ class SessionManager:
                              reply.kind, reply.status.get("message", "")[:200])
                     if reply.kind in _LOST:
                         self._drop(parent, "lost")
-        self._lat["fork"].append(time.perf_counter() - start)
+                self._lat["fork"].append(time.perf_counter() - start)  # checkpoints only
         return child
 
     def close(self, session: PySession, reason: str) -> None:
