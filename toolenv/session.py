@@ -105,6 +105,7 @@ class SessionManager:
         self.pool = WarmPool(spawn, pool, ready_timeout_s) if pool > 0 else None
         self._live: dict[int, PySession] = {}  # sessions holding a sandbox, by id
         self._freed: asyncio.Event | None = None
+        self._stopping: set[asyncio.Future] = set()  # kills in progress
         self.counts: Counter[str] = Counter()
         self._lat: dict[str, deque[float]] = {k: deque(maxlen=_WINDOW)
                                               for k in ("fork", "restore", "replay")}
@@ -153,10 +154,27 @@ class SessionManager:
         sandbox, session.sandbox = session.sandbox, None
         self._live.pop(id(session), None)
         if sandbox is not None:
-            sandbox.kill()
+            self._stop(sandbox)
             if why:
                 self.counts[why] += 1
         self._wake_waiters()
+
+    def _stop(self, sandbox: SessionSandbox) -> None:
+        """Kill a sandbox off the event loop: waiting for everything in it to be gone
+        takes tens of milliseconds, which a trajectory's end must not cost the loop."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a tool closed from synchronous code)
+            sandbox.kill()
+            return
+        future = loop.run_in_executor(None, sandbox.kill)
+        self._stopping.add(future)
+        future.add_done_callback(self._stopping.discard)
+
+    async def stopped(self) -> None:
+        """Wait until every sandbox stopped so far is gone (its processes and its uid)."""
+        while self._stopping:
+            await asyncio.gather(*list(self._stopping), return_exceptions=True)
 
     def _wake_waiters(self) -> None:
         """Calls waiting for a live slot (``_make_room``) look again."""
@@ -169,6 +187,7 @@ class SessionManager:
     async def close_all(self) -> None:
         for session in list(self._live.values()):
             self._drop(session, None)
+        await self.stopped()
         if self.pool is not None:
             await self.pool.close()
 

@@ -186,24 +186,32 @@ class SessionSandbox:
         return reply
 
     def kill(self) -> None:
-        """Stop the whole sandbox now, and return once everything in it is gone: bwrap is
-        killed, the request pipe closed (the keeper, the sandbox's init, ends it on that),
-        and the output pipe read to EOF, which comes when its last process has died."""
+        """Stop the whole sandbox now, and return once everything in it is gone: the
+        request pipe is closed, so the keeper (the sandbox's init) exits; the kernel kills
+        and reaps every other process of the pid namespace before that exit completes,
+        and only then does bwrap, waiting for it, exit. A sandbox that does not end so
+        within the reap timeout is killed through bwrap and its uid kept locked (never
+        handed out again while a process of it might remain)."""
         if self._closed:
             return
         self._closed = True
+        self.proc.stdin.close()
         try:
+            self.proc.wait(_REAP_TIMEOUT_S)
+            gone = True
+        except subprocess.TimeoutExpired:
+            gone = False
+        try:  # without a sandbox (mode none) the keeper's group is all there is to kill
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-        self.proc.stdin.close()
-        gone = self._drain(time.monotonic() + _REAP_TIMEOUT_S)
+        gone = self._drain(time.monotonic() + _REAP_TIMEOUT_S) and gone
         try:
             self.proc.wait(_REAP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             gone = False
         self.proc.stdout.close()
-        if gone:  # else its uid stays locked (never handed out again) rather than shared
+        if gone:
             self._release()
 
     def _drain(self, deadline: float) -> bool:

@@ -111,6 +111,7 @@ async def test_limits_hold_per_call_and_per_session(make_tool):
     # (the executor and the old holder, exiting as the call starts) may not be reaped yet
     assert fresh - 12 <= int((await _texts(tool, session, count))[0]) <= fresh - 10
     session.close("dropped")
+    await tool.sessions.stopped()
     assert _procs_with(marker) == [] and tool.stats()["session_closed_dropped"] == 1
 
 

@@ -46,6 +46,7 @@ class SessionPerCall:
             return await self.tool.call_in(session, code)
         finally:
             session.close()
+            await self.tool.sessions.stopped()
 
     async def close(self) -> None:
         await self.tool.close()
