@@ -236,6 +236,9 @@ async def test_mcp_tool_and_python_session_through_vllm(tiny_model_dir, tmp_path
               text.startswith("<python>") and leaf.tool_calls == 2 and
               tok.decode(leaf.tokens[:leaf.branch_point]).endswith(result("42"))]
     assert forked, texts  # a branch that made the second call itself, in its own session
-    assert stats["testsrv_slow.calls"] == 1 and stats["python.session_forks"] >= 1, stats
+    # the fork's print(x + 1) ran in the copy restored from root 1's checkpoint, or, when
+    # root 1 ran the same call first, was served the result cached for that same history
+    assert stats["testsrv_slow.calls"] == 1, stats
+    assert stats.get("python.session_forks", 0) + stats["python.cache_hits"] >= 1, stats
     assert stats["python.session_closed_finished"] == stats["python.session_opened"]
     assert stats["python.session_live"] == 0
