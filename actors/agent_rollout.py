@@ -24,12 +24,20 @@ a prefix, and call, overhang, result otherwise (the format rules judge that text
 Entropy comes from the engine's top-k log-probs with the tail-corrected estimate
 (``arpo_async.core.entropy``), normalised by log V per token, and summed over the round's
 first k tokens (``rollout.entropy_reduce``).
+
+Stateful tools (``tools.python_state=session``): each root trajectory opens its
+``ToolState`` (``ToolRunner.open_state``) when it starts; a fork's child gets a copy of its
+parent's state at the branch point (``ToolState.fork``, awaited before the parent runs its
+next call, so the copy holds what the shared tool results produced and nothing later); a
+trajectory's state is closed when it ends (``finished``) or is cancelled or fails
+(``dropped``). With stateless tools ``open_state`` gives None and nothing of this runs.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -60,6 +68,7 @@ class _Path:
     finish_reason: str = ""
     overhang: str = ""  # text of the last round's last token past its stop string
     context_full: bool = False  # ended because prompt + tokens filled model.max_model_len
+    state: Any = None  # its sessions in stateful tools (ToolRunner.open_state), or None
 
     def fork(self, tid: int) -> _Path:
         """A fork shares everything up to and including the last tool result."""
@@ -160,8 +169,12 @@ class AgentRollout:
         # A call that cannot run (hermes: bad JSON, unknown tool, bad arguments) is
         # answered with its error, as a serving stack's tool executor would, and counted.
         with self.occupancy.waiting():  # not generating while the tool runs
-            result = (self.tools.reject(call.name, call.error) if call.error
-                      else await self.tools.call(call.name, call.args))
+            if call.error:
+                result = self.tools.reject(call.name, call.error)
+            elif path.state is not None:
+                result = await self.tools.call(call.name, call.args, state=path.state)
+            else:
+                result = await self.tools.call(call.name, call.args)
         inserted = self.syntax.result_text(result.text)
         if self.syntax.name == "arpo":  # the template's tool turn (hermes) is inserted whole
             inserted = after_overhang(path.overhang, inserted)
@@ -174,6 +187,22 @@ class AgentRollout:
 
     # ------------------------------------------------------------------ one path
     async def _drive(self, prompt: Prompt, path: _Path, group: _GroupState) -> None:
+        open_state = getattr(self.tools, "open_state", None)
+        if path.state is None and open_state is not None:
+            path.state = open_state()
+        reason = "dropped"
+        try:
+            await self._steps(prompt, path, group)
+            reason = "finished"
+        finally:
+            if path.state is not None:
+                path.state.close(reason)
+        group.planner.finish(path.tid)
+        group.paths[path.tid] = path
+        self._maybe_grow(prompt, group)
+
+    async def _steps(self, prompt: Prompt, path: _Path, group: _GroupState) -> None:
+        """Rounds and tool calls until the path finishes (its finish_reason set)."""
         planner = group.planner
         while True:
             root = planner.parent_of(path.tid) == -1
@@ -190,7 +219,10 @@ class AgentRollout:
                 else:
                     forks, _ = planner.after_tool_round(path.tid, h)
                     for tid in forks:
-                        group.spawn(self._drive(prompt, path.fork(tid), group))
+                        child = path.fork(tid)
+                        if path.state is not None:
+                            child.state = await path.state.fork()
+                        group.spawn(self._drive(prompt, child, group), child.state)
             call = self.syntax.find_call(text) if finish == "stop" else None
             room = self.cfg.sampling.max_response_tokens - len(path.tokens)
             if call is None or path.tool_calls >= self.cfg.rollout.tool_call_limit or room <= 0:
@@ -204,9 +236,6 @@ class AgentRollout:
                 break
             path.snapshot = len(path.tokens)
             path.decide = True
-        planner.finish(path.tid)
-        group.paths[path.tid] = path
-        self._maybe_grow(prompt, group)
 
     def _split_budget(self, prompt: Prompt, group: _GroupState) -> None:
         """AEPO's entropy pre-monitoring (arXiv 2510.14545 Sec. 3): the probe's root
@@ -278,9 +307,13 @@ class _GroupState:
     def stats(self) -> dict[str, float]:
         return self.planner.stats() | ({"aepo_m": float(self.m)} if self.m else {})
 
-    def spawn(self, coro) -> None:
-        """Start a path; it counts as generating from now (``Occupancy``)."""
-        self.tasks.add(self.occupancy.track(asyncio.ensure_future(coro)))
+    def spawn(self, coro, state: Any = None) -> None:
+        """Start a path; it counts as generating from now (``Occupancy``). A fork's
+        ``state`` is closed here if its task is cancelled before it ever ran."""
+        task = asyncio.ensure_future(coro)
+        if state is not None:
+            task.add_done_callback(lambda t: state.close("dropped") if t.cancelled() else None)
+        self.tasks.add(self.occupancy.track(task))
 
     async def wait(self) -> None:
         try:

@@ -261,8 +261,9 @@ def _argument_problem(spec: ToolSpec, arguments: Any) -> str:
 
 
 def tool_specs(cfg: Any) -> list[ToolSpec]:
-    """What the model is told about the configured tools (``tools.enabled`` then
-    ``tools.custom``), read from their classes: nothing is constructed."""
+    """What the model is told about the configured tools (``tools.enabled``, then
+    ``tools.custom``, read from their classes: nothing is constructed; then the ``tools.mcp``
+    servers' tools, from their listing: toolenv/mcp_tools.py)."""
     from toolenv.tool_classes import load_tool_class
 
     classes = []
@@ -275,7 +276,12 @@ def tool_specs(cfg: Any) -> list[ToolSpec]:
             raise ValueError(f"tools.enabled: unknown tool {name!r} (known: python, search)")
         classes.append(cls)
     classes += [load_tool_class(path) for path in cfg.custom]
-    return [ToolSpec.of(cls) for cls in classes]
+    specs = [ToolSpec.of(cls) for cls in classes]
+    if getattr(cfg, "mcp", None):
+        from toolenv.mcp_tools import mcp_specs
+
+        specs += mcp_specs(cfg)
+    return specs
 
 
 def build_syntax(cfg: Any, tokenizer: Any,
