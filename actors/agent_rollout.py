@@ -24,17 +24,25 @@ a prefix, and call, overhang, result otherwise (the format rules judge that text
 Entropy comes from the engine's top-k log-probs with the tail-corrected estimate
 (``arpo_async.core.entropy``), normalised by log V per token, and summed over the round's
 first k tokens (``rollout.entropy_reduce``).
+
+Stateful tools (``tools.python_state=session``): each root trajectory opens its
+``ToolState`` (``ToolRunner.open_state``) when it starts; a fork's child gets a copy of its
+parent's state at the branch point (``ToolState.fork``, awaited before the parent runs its
+next call, so the copy holds what the shared tool results produced and nothing later); a
+trajectory's state is closed when it ends (``finished``) or is cancelled or fails
+(``dropped``). With stateless tools ``open_state`` gives None and nothing of this runs.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from actors.branching import BranchPlanner, BranchSettings, aepo_global_samples
-from actors.engines.base import GenerationEngine, GenRequest
+from actors.engines.base import ContextOverflow, GenerationEngine, GenRequest
 from actors.rollout import Occupancy, new_group_id
 from arpo_async.core.entropy import entropy_from_topk, window_entropy
 from arpo_async.core.protocol import Trajectory, TrajectoryGroup
@@ -59,6 +67,8 @@ class _Path:
     rounds: int = 0
     finish_reason: str = ""
     overhang: str = ""  # text of the last round's last token past its stop string
+    context_full: bool = False  # ended because prompt + tokens filled model.max_model_len
+    state: Any = None  # its sessions in stateful tools (ToolRunner.open_state), or None
 
     def fork(self, tid: int) -> _Path:
         """A fork shares everything up to and including the last tool result."""
@@ -92,7 +102,8 @@ class AgentRollout:
         self.settings = BranchSettings.from_config(cfg.rollout)
         self.vocab = len(tokenizer)
         # tools.syntax: where rounds stop, how calls are read and results inserted
-        self.syntax = getattr(source, "syntax", None) or build_syntax(cfg.tools, tokenizer)
+        self.syntax = getattr(source, "syntax", None) or build_syntax(
+            cfg.tools, tokenizer, cfg.model.chat_template_kwargs)
         self.stop_ids, self.stop_strings = [], []
         for tag in self.syntax.stop_strings:
             ids = tokenizer.encode(tag, add_special_tokens=False)
@@ -102,6 +113,7 @@ class AgentRollout:
                 self.stop_strings.append(tag)
         if tokenizer.eos_token_id is not None:
             self.stop_ids.append(tokenizer.eos_token_id)
+        self.context_full = 0  # trajectories ended by model.max_model_len (all groups)
 
     # ------------------------------------------------------------------ one round
     async def _round(self, prompt: Prompt, path: _Path, read: bool) -> tuple[str, float, str]:
@@ -111,12 +123,23 @@ class AgentRollout:
         s = self.cfg.sampling
         budget = s.max_response_tokens - len(path.tokens)
         window = self.settings.entropy_window
-        res = await self.engine.generate(GenRequest(
-            prompt_tokens=prompt.tokens + path.tokens, max_tokens=min(s.max_new_tokens, budget),
-            temperature=s.temperature, top_p=s.top_p, stop_token_ids=self.stop_ids,
-            stop=self.stop_strings, logprobs_topk=s.logprobs_topk if read else 0,
-            topk_window=window if s.topk_window_only else 0,
-            seed=int(self.rng.integers(2**31))))
+        context = prompt.tokens + path.tokens
+        # What max_model_len leaves: a context that fills it ends the trajectory as
+        # length, counted, instead of a request the engine must refuse.
+        room = self.cfg.model.max_model_len - len(context)
+        seed = int(self.rng.integers(2**31))
+        if room < 1:
+            return self._no_room(path)
+        try:
+            res = await self.engine.generate(GenRequest(
+                prompt_tokens=context, max_tokens=min(s.max_new_tokens, budget, room),
+                temperature=s.temperature, top_p=s.top_p, stop_token_ids=self.stop_ids,
+                stop=self.stop_strings, logprobs_topk=s.logprobs_topk if read else 0,
+                topk_window=window if s.topk_window_only else 0, seed=seed))
+        except ContextOverflow:
+            return self._no_room(path)
+        if res.finish_reason == "length" and len(res.tokens) >= room:
+            self._count_full(path)  # this round filled max_model_len: nothing can follow
         path.tokens += res.tokens
         path.mask += [1] * len(res.tokens)
         path.logprobs += list(res.logprobs)
@@ -131,12 +154,27 @@ class AgentRollout:
                                else (text, ""))
         return text, h, res.finish_reason
 
+    def _count_full(self, path: _Path) -> None:
+        self.context_full += 1
+        path.context_full = True
+
+    def _no_room(self, path: _Path) -> tuple[str, float, str]:
+        """No round fits: the trajectory ends as length, and no branch decision is made
+        (there is no round to read an entropy from)."""
+        self._count_full(path)
+        path.decide = False
+        return "", float("nan"), "length"
+
     async def _tool(self, path: _Path, call: ToolCall) -> None:
         # A call that cannot run (hermes: bad JSON, unknown tool, bad arguments) is
         # answered with its error, as a serving stack's tool executor would, and counted.
         with self.occupancy.waiting():  # not generating while the tool runs
-            result = (self.tools.reject(call.name, call.error) if call.error
-                      else await self.tools.call(call.name, call.args))
+            if call.error:
+                result = self.tools.reject(call.name, call.error)
+            elif path.state is not None:
+                result = await self.tools.call(call.name, call.args, state=path.state)
+            else:
+                result = await self.tools.call(call.name, call.args)
         inserted = self.syntax.result_text(result.text)
         if self.syntax.name == "arpo":  # the template's tool turn (hermes) is inserted whole
             inserted = after_overhang(path.overhang, inserted)
@@ -149,6 +187,22 @@ class AgentRollout:
 
     # ------------------------------------------------------------------ one path
     async def _drive(self, prompt: Prompt, path: _Path, group: _GroupState) -> None:
+        open_state = getattr(self.tools, "open_state", None)
+        if path.state is None and open_state is not None:
+            path.state = open_state()
+        reason = "dropped"
+        try:
+            await self._steps(prompt, path, group)
+            reason = "finished"
+        finally:
+            if path.state is not None:
+                path.state.close(reason)
+        group.planner.finish(path.tid)
+        group.paths[path.tid] = path
+        self._maybe_grow(prompt, group)
+
+    async def _steps(self, prompt: Prompt, path: _Path, group: _GroupState) -> None:
+        """Rounds and tool calls until the path finishes (its finish_reason set)."""
         planner = group.planner
         while True:
             root = planner.parent_of(path.tid) == -1
@@ -165,7 +219,10 @@ class AgentRollout:
                 else:
                     forks, _ = planner.after_tool_round(path.tid, h)
                     for tid in forks:
-                        group.spawn(self._drive(prompt, path.fork(tid), group))
+                        child = path.fork(tid)
+                        if path.state is not None:
+                            child.state = await path.state.fork()
+                        group.spawn(self._drive(prompt, child, group), child.state)
             call = self.syntax.find_call(text) if finish == "stop" else None
             room = self.cfg.sampling.max_response_tokens - len(path.tokens)
             if call is None or path.tool_calls >= self.cfg.rollout.tool_call_limit or room <= 0:
@@ -179,9 +236,6 @@ class AgentRollout:
                 break
             path.snapshot = len(path.tokens)
             path.decide = True
-        planner.finish(path.tid)
-        group.paths[path.tid] = path
-        self._maybe_grow(prompt, group)
 
     def _split_budget(self, prompt: Prompt, group: _GroupState) -> None:
         """AEPO's entropy pre-monitoring (arXiv 2510.14545 Sec. 3): the probe's root
@@ -218,7 +272,9 @@ class AgentRollout:
             group_id=new_group_id(actor_id), actor_id=actor_id, prompt_id=prompt.id,
             prompt_tokens=np.asarray(prompt.tokens, np.int32), leaves=leaves,
             mode=self.cfg.rollout.mode, tool_calls_executed=group.executed,
-            stats={f"branch/{k}": v for k, v in group.stats().items()})
+            stats={**{f"branch/{k}": v for k, v in group.stats().items()},
+                   "rollout/context_full": float(sum(p.context_full
+                                                     for p in group.paths.values()))})
 
     def _leaf(self, prompt: Prompt, path: _Path, parent: int) -> Trajectory:
         text = self.tokenizer.decode(path.tokens, skip_special_tokens=False)
@@ -251,9 +307,13 @@ class _GroupState:
     def stats(self) -> dict[str, float]:
         return self.planner.stats() | ({"aepo_m": float(self.m)} if self.m else {})
 
-    def spawn(self, coro) -> None:
-        """Start a path; it counts as generating from now (``Occupancy``)."""
-        self.tasks.add(self.occupancy.track(asyncio.ensure_future(coro)))
+    def spawn(self, coro, state: Any = None) -> None:
+        """Start a path; it counts as generating from now (``Occupancy``). A fork's
+        ``state`` is closed here if its task is cancelled before it ever ran."""
+        task = asyncio.ensure_future(coro)
+        if state is not None:
+            task.add_done_callback(lambda t: state.close("dropped") if t.cancelled() else None)
+        self.tasks.add(self.occupancy.track(task))
 
     async def wait(self) -> None:
         try:

@@ -2,7 +2,9 @@
 (or ``--actor-ids 0-63``: several simulated actors in one process).
 
 Builds the engine, the prompt source, the tools and the rollout the config names, connects
-to the learner and runs the actor loop until the learner says stop.
+to the learner and runs the actor loop until the learner says stop (exit 0), or until
+the learner has not answered for ``transport.connect_timeout_s`` (exit 69,
+``ExitCode.LEARNER_GONE``: its host vanished; the actor stops instead of waiting forever).
 """
 
 from __future__ import annotations
@@ -101,9 +103,19 @@ def main(argv: list[str] | None = None) -> int:
     from arpo_async.core.config import load_config
     from arpo_async.core.protocol import ExitCode
     from arpo_async.core.rundir import record_exit
+    from arpo_async.core.transport.control import TransportTimeout
 
     cfg = load_config(args.config)
-    asyncio.run(run_actors(cfg, ids))
+    try:
+        asyncio.run(run_actors(cfg, ids))
+    except TransportTimeout as exc:
+        # every request is retried until transport.connect_timeout_s of silence: the
+        # learner's host vanished (or the run ended while we could not hear it); a
+        # restart would only wait as long again, so stop and say so
+        log.error("%s: no answer from the learner for transport.connect_timeout_s=%g s "
+                  "(%s); stopping", name, cfg.transport.connect_timeout_s, exc)
+        record_exit(cfg.run.dir, os.getpid(), ExitCode.LEARNER_GONE)
+        return ExitCode.LEARNER_GONE
     # The learner ended the run. Said in a file, not only by the exit status: a launcher
     # that adopted this process after --resume is not its parent and cannot wait for it.
     record_exit(cfg.run.dir, os.getpid(), ExitCode.OK)

@@ -20,6 +20,10 @@ and plots (arpo_async/jobs/pipeline.py); ``--resume`` then skips the finished st
 ``python -m arpo_async.launch actor --connect tcp://HOST:PORT [--actor-id I] [--keys DIR]``
 runs one actor on another machine, with the config it gets from the learner
 (arpo_async/launcher/remote.py, docs/scale-out.md).
+
+``--slurm [--nodes-learner N --nodes-actors M] [--emit FILE]`` writes an sbatch script in
+which Slurm places the learner ranks and the actors, and submits it unless ``--emit``
+(arpo_async/launcher/slurm.py; docs/design.md, "Beyond one machine").
 """
 
 from __future__ import annotations
@@ -43,6 +47,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", metavar="RUN_DIR",
                    help="continue the run in RUN_DIR from its newest checkpoint")
     p.add_argument("--quiet", action="store_true", help="plain log lines, no live panel")
+    slurm = p.add_argument_group("Slurm (arpo_async/launcher/slurm.py)")
+    slurm.add_argument("--slurm", action="store_true",
+                       help="write an sbatch script in which Slurm places the learner and the "
+                       "actors, and submit it (RUN_DIR/slurm.sbatch)")
+    slurm.add_argument("--nodes-learner", type=int, default=1, metavar="N",
+                       help="nodes for the learner ranks (default 1)")
+    slurm.add_argument("--nodes-actors", type=int, default=1, metavar="M",
+                       help="nodes for the actors, actors.num / M on each (default 1)")
+    slurm.add_argument("--emit", metavar="FILE", help="write the script to FILE, do not submit")
+    slurm.add_argument("--partition", default="", help="sbatch --partition for both parts")
+    slurm.add_argument("--time", default="", help="sbatch --time limit, e.g. 04:00:00")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     return p
 
@@ -68,7 +83,15 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from arpo_async.core.config import ConfigError
 
+    if args.emit and not args.slurm:
+        print("--emit writes a Slurm script: pass --slurm too", file=sys.stderr)
+        return 2
     try:
+        if args.slurm:
+            from arpo_async.jobs.preflight import prepare_run
+            from arpo_async.launcher.slurm import run_slurm
+
+            return run_slurm(args, prepare=prepare_run)
         if args.dry_run:
             from arpo_async.launcher.plan import dry_run
 
@@ -82,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         from arpo_async.jobs.preflight import prepare_run
         from arpo_async.launcher.supervisor import LaunchRequest, launch
 
-        return launch(LaunchRequest(**vars(args)), prepare=prepare_run)
+        req = LaunchRequest(config=args.config, overrides=args.overrides, resume=args.resume,
+                            quiet=args.quiet, dry_run=args.dry_run)
+        return launch(req, prepare=prepare_run)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2

@@ -105,11 +105,11 @@ def pinned_run(overrides: list[str], run_dir: Path, timeout_s: float, env: dict)
     from arpo_async.core.dsops import prebuild_deepspeed_ops
     from arpo_async.core.metrics import read_metrics
     from arpo_async.jobs.experiments import summarize_run
-    from arpo_async.jobs.tiny_model import resolve_model_path
+    from arpo_async.jobs.preflight import prepare_run
     from arpo_async.launcher.supervisor import LaunchRequest, plan, resolve
 
     cfg = resolve(LaunchRequest(overrides=[*overrides, f"run.dir={run_dir}"], quiet=True),
-                  model_path=resolve_model_path)
+                  prepare=prepare_run)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     prebuild_deepspeed_ops()
@@ -118,7 +118,8 @@ def pinned_run(overrides: list[str], run_dir: Path, timeout_s: float, env: dict)
         raise SystemExit("async_vs_sync needs two cores (one for the actor, one for the learner)")
     placement = {"learner": cores[1], "actor0": cores[0]}  # vLLM binds its worker to the first
     procs = {}
-    for role in plan(cfg, run_dir / "config.yaml"):
+    roles, _ = plan(cfg, run_dir / "config.yaml")  # what the launcher starts
+    for role in roles:
         role.log.parent.mkdir(parents=True, exist_ok=True)
         core = placement[role.name]
         procs[role.name] = subprocess.Popen(  # the environment as the launcher gives it

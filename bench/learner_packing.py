@@ -162,7 +162,7 @@ def logprob_memory(chunk: int, length: int = 4096, vocab: int = 151936, hidden: 
     import torch
 
     from learner.batching import token_logprobs
-    from learner.logprobs import chunked_logprobs
+    from arpo_async.core.logits import chunked_logprobs
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -54,6 +54,7 @@ class ActorLedger:
     received_by_pid: dict = field(default_factory=dict)
     version: int = -1
     last_seen: float = 0.0
+    host: str = ""  # the machine its Hello named
     stats: dict = field(default_factory=dict)
 
     def sent(self) -> int:
@@ -121,7 +122,7 @@ class Ledger:
         return self.actors.setdefault(actor_id, ActorLedger())
 
     # ------------------------------------------------------------- messages from actors
-    def hello(self, actor_id: int, pid: int, version: int) -> tuple[str, int]:
+    def hello(self, actor_id: int, pid: int, version: int, host: str = "") -> tuple[str, int]:
         """An actor said Hello: ("restart", n) for a new pid, ("reconnect", n) for the same
         process saying it again, ("new", 0) otherwise; ``n`` outstanding tickets are void
         and must be released. A reconnecting process may still deliver groups for those
@@ -137,6 +138,7 @@ class Ledger:
             kind, voided = "reconnect", led.void_tickets()
             led.orphaned += voided
         led.pid, led.version, led.hello, led.bye = pid, version, True, False
+        led.host = host or led.host
         led.sent_by_pid.setdefault(pid, 0)
         return kind, voided
 
@@ -234,6 +236,14 @@ class Ledger:
                     "lost": max(a.lost(), 0) if a.bye else -1,
                     "incarnations": len(a.sent_by_pid)}
                 for i, a in self.actors.items()}
+
+    def not_back(self, now: float) -> list[dict]:
+        """The actors that never said Bye (their host vanished, or they died unseen), each
+        with its host, seconds since it was last heard from, the groups it said it sent
+        in its last heartbeat and the groups received from it."""
+        return [{"actor": i, "host": a.host, "silent_s": round(now - a.last_seen, 1),
+                 "said_sent": a.sent(), "received": a.received_total}
+                for i, a in sorted(self.actors.items()) if not a.bye and a.last_seen]
 
     def incarnations(self) -> dict:
         """Per actor and incarnation (pid): [groups it said it sent, groups received

@@ -1,14 +1,11 @@
 """Token log-probs and entropies without a [B, L, V] tensor, and the packed forward.
 
-``chunked_logprobs(lm_head, hidden, targets, ...)``: the hidden states of the positions
-that predict a target, ``[K, H]``, go through the output layer ``chunk`` rows at a time
-(``learner.logprob_chunk_tokens``); each chunk's logits are upcast to fp32, divided by
-the temperature, and reduced at once to log p(target) = z_target - logsumexp(z) and, when
-asked, the normalised entropy (``arpo_async.core.entropy.entropy_from_logits``, the same
-function the padded path uses). Under autograd every chunk is checkpointed: its logits are
-recomputed in the backward pass instead of kept, so the memory of the log-prob stage is
-about chunk x V floats (a few copies) whatever K is. ``chunk = 0`` is one unchecked pass
-(K x V kept for backward, the padded path's cost without padding).
+``chunked_logprobs(lm_head, hidden, targets, ...)`` (arpo_async/core/logits.py, shared
+with SFT and the engines): the hidden states of the positions that predict a target,
+``[K, H]``, go through the output layer ``learner.logprob_chunk_tokens`` rows at a time,
+each chunk's fp32 logits reduced at once to log p(target) and, when asked, the normalised
+entropy, and recomputed in the backward pass: the memory of the log-prob stage is about
+chunk x V floats whatever K is.
 
 ``packed_forward``: one packed micro-batch through the model (mask per
 learner/tree_attention.py, position ids = depths, logits of no position), then the
@@ -21,40 +18,9 @@ copies, as the padded path counts them.
 from __future__ import annotations
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
-from arpo_async.core.entropy import entropy_from_logits
+from arpo_async.core.logits import chunked_logprobs
 from learner.losses import LossInputs, policy_loss
-
-
-def _chunk(lm_head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
-           entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = lm_head(hidden).float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    ent = entropy_from_logits(logits) if entropy else logp.new_zeros(0)
-    return logp, ent
-
-
-def chunked_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor,
-                     temperature: float = 1.0, chunk: int = 0, entropy: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(log p of each target [K] fp32, normalised entropy [K] or None) from ``hidden``
-    [K, H] and an output layer ``lm_head`` (a module: ZeRO-3 gathers it per call)."""
-    k = hidden.shape[0]
-    step = chunk if chunk > 0 else max(k, 1)
-    grad = torch.is_grad_enabled() and hidden.requires_grad and chunk > 0
-    logps, ents = [], []
-    for a in range(0, k, step):
-        args = (lm_head, hidden[a:a + step], targets[a:a + step], temperature, entropy)
-        lp, en = (checkpoint(_chunk, *args, use_reentrant=False) if grad else _chunk(*args))
-        logps.append(lp)
-        ents.append(en)
-    if not logps:
-        empty = hidden.new_zeros(0, dtype=torch.float32) + hidden.float().sum() * 0.0
-        return empty, (empty if entropy else None)
-    return torch.cat(logps), (torch.cat(ents) if entropy else None)
 
 
 def packed_forward(model, lm_head, batch, mask, temperature: float, chunk: int,

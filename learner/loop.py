@@ -246,6 +246,7 @@ class LearnerLoop:
                   "resumed_from": self.meta["step"] if self.meta else None}
         if self.service is not None:
             result["ledger"] = self.service.shutdown(wait_s=self.cfg.learner.shutdown_wait_s)
+            result["actors_not_back"] = self.service.not_back
             result["service"] = self.service.snapshot()
             self.writer.close()
             atomic_write_json(self.run_dir / "learner_summary.json", result, sort_keys=True)

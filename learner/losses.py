@@ -84,6 +84,11 @@ def _masked_max(x: torch.Tensor, m: torch.Tensor) -> float:
     return float(sel.max()) if sel.numel() else 0.0
 
 
+def _masked_min(x: torch.Tensor, m: torch.Tensor) -> float:
+    sel = x[m > 0]
+    return float(sel.min()) if sel.numel() else 0.0
+
+
 def _check(inp: LossInputs, settings: LossSettings) -> None:
     shape = inp.logprobs.shape
     named = {"behaviour_logprobs": inp.behaviour_logprobs, "advantages": inp.advantages,
@@ -228,6 +233,7 @@ def _metrics(r: torch.Tensor, log_r: torch.Tensor, adv: torch.Tensor, w: torch.T
         "is_weight_mean": _masked_mean(w, m, count),
         "is_weight_max": _masked_max(w, m),
         "is_raw_weight_max": _masked_max(raw_w, m),
+        "is_raw_weight_min": _masked_min(raw_w, m),
         "is_masked_frac": _masked_mean(dropped, m, count),
         "is_truncated_frac": _masked_mean(truncated, m, count),
         "ratio_mean": _masked_mean(r, m, count),

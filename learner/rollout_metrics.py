@@ -12,11 +12,12 @@ import math
 
 KEYS = ("branch/p_mean", "branch/p_std", "branch/p_min", "branch/p_max", "branch/dh_mean",
         "branch/decisions", "branch/forks", "branch/fills", "branch/leaves_per_group",
-        "branch/p_outside_band", "tools/executed_per_leaf")
+        "branch/p_outside_band", "tools/executed_per_leaf", "rollout/context_full")
 
 
 def rollout_metrics(groups: list) -> dict[str, float]:
-    """The step's ``branch/*`` and ``tools/executed_per_leaf`` figures."""
+    """The step's ``branch/*``, ``tools/executed_per_leaf`` and ``rollout/context_full``
+    figures."""
     def total(key: str) -> float:
         return float(sum(g.stats.get(f"branch/{key}", 0.0) for g in groups))
 
@@ -37,4 +38,7 @@ def rollout_metrics(groups: list) -> dict[str, float]:
         "branch/leaves_per_group": leaves / len(groups) if groups else 0.0,
         "tools/executed_per_leaf": (sum(g.tool_calls_executed for g in groups) / leaves
                                     if leaves else 0.0),
+        # trajectories that ended as length because prompt + tokens filled max_model_len
+        "rollout/context_full": float(sum(g.stats.get("rollout/context_full", 0.0)
+                                          for g in groups)),
     }

@@ -115,6 +115,7 @@ class LearnerService:
         self.invalid: Counter = Counter()  # groups that decoded but cannot be trained on
         self.events: Counter = Counter()  # untracked groups, expired tickets, restarts...
         self.wait_s = 0.0  # time spent waiting for trajectories
+        self.not_back: list[dict] = []  # after shutdown: actors that never said Bye
         # No tickets until every actor said hello (or the wait ran out), so that one
         # fast-starting actor does not generate a short run's whole first batches.
         self.expected_actors = total_actors(cfg)  # local and remote (cluster.remote_actors)
@@ -164,7 +165,7 @@ class LearnerService:
         # us for a while: ticket requests it retried may have been granted twice, and only
         # it knows; what is outstanding is released and its groups in flight arrive as
         # orphans (counted, never released twice).
-        kind, voided = self.ledger.hello(msg.actor_id, msg.pid, msg.version)
+        kind, voided = self.ledger.hello(msg.actor_id, msg.pid, msg.version, msg.host)
         if kind != "new":
             if voided > 0:
                 self.admission.release(voided, f"actor_{kind}")
@@ -212,8 +213,9 @@ class LearnerService:
                 self.ledger.drop(group.actor_id, why)
                 if ticketed:
                     self.admission.release(1, why)
-            elif not ticketed:
+            elif not ticketed:  # trained without a counted ticket: it takes a slot
                 self.events["untracked"] += 1
+                self.admission.adopt(1)
             return keep
 
     def expire_silent(self, now: float | None = None) -> int:
@@ -351,6 +353,10 @@ class LearnerService:
                 break
         with self.lock:
             ledger = self.ledger.summary()
+            self.not_back = self.ledger.not_back(time.time())
+        for gone in self.not_back:
+            log.warning("actor %d (%s) never came back: silent for %.0f s", gone["actor"],
+                        gone["host"] or "host unknown", gone["silent_s"])
         self.control.stop()
         for sender in self.weights:
             sender.close()

@@ -4,10 +4,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! command -v bwrap >/dev/null 2>&1 || ! command -v g++ >/dev/null 2>&1; then
+# bubblewrap: the Python tool's sandbox; g++: DeepSpeed's CPU op; iproute2, slurm-wlm and
+# munge: the tests that put hosts in network namespaces and run a one-machine Slurm cluster
+# (their packages' daemons are not started here: the tests start their own).
+need=""
+for cmd in bwrap g++ ip sbatch slurmctld slurmd munged; do
+  command -v "$cmd" >/dev/null 2>&1 || need=1
+done
+if [ -n "$need" ]; then
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq
-  $SUDO apt-get install -y -qq bubblewrap g++ >/dev/null
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap g++ iproute2 \
+    slurm-wlm munge >/dev/null
 fi
 
 PY=${PYTHON:-python3}

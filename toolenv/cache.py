@@ -5,7 +5,10 @@ processes, about 10 us a get and 100 us a set. ``FanoutCache`` is deliberately n
 it gives up on a write after 10 ms and returns False silently, which loses entries under
 load.
 
-Key = sha256 of ``json.dumps([tool, version, canonical(tool, args)])``. The canonical form
+Key = sha256 of ``json.dumps([tool, version, canonical(tool, args)])``; a call in a
+stateful session (``tools.python_state=session``) adds the session's state, the digest of
+its history (toolenv/session.py), so a result is only ever served to the same state:
+``[tool, version, canonical, state]``. The canonical form
 of the arguments (``canonical_args``) is:
 
 - python: line endings normalised to ``\\n`` and trailing whitespace at the end removed
@@ -73,14 +76,16 @@ class ToolCache:
         self._set_s = 0.0
 
     @staticmethod
-    def key(tool: str, version: str, args: str) -> str:
-        payload = json.dumps([tool, version, canonical_args(tool, args)], ensure_ascii=False)
+    def key(tool: str, version: str, args: str, state: str = "") -> str:
+        parts = [tool, version, canonical_args(tool, args)] + ([state] if state else [])
+        payload = json.dumps(parts, ensure_ascii=False)
         return hashlib.sha256(payload.encode("utf-8")).hexdigest()
 
-    def get(self, tool: str, version: str, args: str) -> str | None:
+    def get(self, tool: str, version: str, args: str, state: str = "") -> str | None:
         """The cached text, or None on a miss (or an expired entry)."""
         start = time.perf_counter()
-        value = self._cache.get(self.key(tool, version, args), default=None, retry=False)
+        value = self._cache.get(self.key(tool, version, args, state), default=None,
+                                retry=False)
         hit = value is not None
         self._incr("hits" if hit else "misses")
         self._get_s += time.perf_counter() - start
@@ -90,7 +95,8 @@ class ToolCache:
             self.misses += 1
         return value
 
-    def set(self, tool: str, version: str, args: str, text: str, ok: bool = True) -> None:
+    def set(self, tool: str, version: str, args: str, text: str, ok: bool = True,
+            state: str = "") -> None:
         """Store a successful result. ``ok=False`` raises: errors are never cached."""
         if not ok:
             raise ValueError(f"refusing to cache a failed {tool} result (errors are never cached)")
@@ -98,7 +104,7 @@ class ToolCache:
             raise TypeError(f"tool cache values are str, got {type(text).__name__}")
         start = time.perf_counter()
         expire = self.ttl_s if self.ttl_s > 0 else None
-        self._cache.set(self.key(tool, version, args), text, expire=expire, retry=False)
+        self._cache.set(self.key(tool, version, args, state), text, expire=expire, retry=False)
         self._incr("sets")
         self._set_s += time.perf_counter() - start
         self.sets += 1

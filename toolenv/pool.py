@@ -66,7 +66,7 @@ class PoolEmpty(PoolError):
     """None ready, and every sandbox in preparation already has a call waiting for it."""
 
 
-async def _ready_fd(fd: int, writable: bool = False) -> None:
+async def ready_fd(fd: int, writable: bool = False) -> None:
     """Wait until ``fd`` can be read (or written) without blocking."""
     loop = asyncio.get_running_loop()
     fut = loop.create_future()
@@ -96,7 +96,7 @@ class WarmSandbox:
             try:
                 return os.read(self._out, _READ_CHUNK)
             except BlockingIOError:
-                await _ready_fd(self._out)
+                await ready_fd(self._out)
 
     async def ready(self, timeout_s: float) -> None:
         """Wait for READY; raise ``PoolError`` when the sandbox exits or stalls first."""
@@ -123,7 +123,7 @@ class WarmSandbox:
                 try:
                     view = view[os.write(self._in, view):]
                 except BlockingIOError:
-                    await _ready_fd(self._in, writable=True)
+                    await ready_fd(self._in, writable=True)
         except (BrokenPipeError, ConnectionResetError):
             pass  # exited before reading its input: its output says why
         finally:
@@ -161,7 +161,7 @@ class WarmSandbox:
                           time.monotonic() - start)
 
     async def _exited(self) -> int:
-        await _ready_fd(self._pidfd)  # a pidfd reads ready when the process has exited
+        await ready_fd(self._pidfd)  # a pidfd reads ready when the process has exited
         return self.proc.wait()
 
     async def _reap(self) -> None:

@@ -17,6 +17,11 @@ With ``pool`` > 0 (``tools.python_pool``) a call takes a warm sandbox from
 the same limits and isolation (toolenv/pool.py gives the design and its threat model).
 With ``pool=0`` every call starts a cold sandbox, as before.
 
+With ``state="session"`` (``tools.python_state``) the tool is *stateful*: a trajectory's
+calls (``call_in``) run in one live interpreter of its own, which a fork of the trajectory
+copies (toolenv/session.py: sessions, forks, replays; toolenv/session_child.py: what runs
+inside). The pool then holds session sandboxes; a call without a session runs cold.
+
 At construction the tool probes which isolation works here (``sandbox`` describes the
 modes) and logs a warning for anything missing: no bwrap is an error unless
 ``allow_unsandboxed``, in which case every start-up logs an ``UNSANDBOXED`` warning.
@@ -39,11 +44,18 @@ from pathlib import Path
 from toolenv.base import ToolResult
 from toolenv.pool import READY, PoolEmpty, PoolError, WarmPool, WarmSandbox
 from toolenv.sandbox import Limits, Sandbox, SandboxRun, default_hidden
+from toolenv.session import PySession, SessionManager
+from toolenv.session_sandbox import Reply, SessionSandbox
 
 log = logging.getLogger(__name__)
 
 _FILE_BYTES = 16 << 20  # largest file a snippet may write in its scratch folder
 _RESULT_VERSION = "1"  # bump when the text of results would change
+_SESSION_VERSION = "1"  # bump when session results would change (session_child.py)
+_SESSION_CHILD = (Path(__file__).with_name("session_child.py")).read_text()
+# Besides the call's own processes, a session runs its keeper and its holder.
+_SESSION_PROCS = 2
+_STATES = ("stateless", "session")
 _WINDOW = 10_000  # latencies kept for the percentiles
 
 # Runs inside the sandbox (python -c); the snippet arrives on stdin.
@@ -167,7 +179,9 @@ class PythonTool:
                  max_output: int = 4096, wall_timeout_s: float = 10.0,
                  allow_unsandboxed: bool = False, *, python: str | None = None,
                  isolation: str = "auto", hide: Sequence[str | Path] = (), pool: int = 0,
-                 preload: Sequence[str] = ("math",)):
+                 preload: Sequence[str] = ("math",), state: str = "stateless",
+                 max_sessions: int = 32, session_idle_s: float = 120.0,
+                 checkpoint_mb: int = 64):
         for key, value in (("cpu_s", cpu_s), ("memory_mb", memory_mb),
                            ("max_procs", max_procs), ("max_output", max_output),
                            ("wall_timeout_s", wall_timeout_s)):
@@ -175,12 +189,17 @@ class PythonTool:
                 raise ValueError(f"PythonTool {key} must be > 0, got {value}")
         if pool < 0:
             raise ValueError(f"PythonTool pool must be >= 0, got {pool}")
+        if state not in _STATES:
+            raise ValueError(f"PythonTool state must be one of {_STATES}, got {state!r}")
         self.preload = _check_modules(preload)
         self.python = python or sys.executable
         self.hide = default_hidden(hide)
         self.cpu_s, self.max_output, self.wall_timeout_s = cpu_s, max_output, wall_timeout_s
         py_version = f"{sys.version_info[0]}.{sys.version_info[1]}"
         self.version = f"{_RESULT_VERSION}:py{py_version}:out{max_output}"
+        self.stateful = state == "session"
+        if self.stateful:  # session results never mix with stateless ones in the cache
+            self.version += f":session{_SESSION_VERSION}"
         limits = Limits(cpu_s=cpu_s, memory_bytes=memory_mb << 20, max_procs=max_procs,
                         file_bytes=_FILE_BYTES)
         self.sandbox, self.warnings = self._choose(limits, isolation, allow_unsandboxed)
@@ -191,6 +210,13 @@ class PythonTool:
                                  "ignored, every call starts a cold sandbox")
             log.warning("python tool: %s", self.warnings[-1])
             pool = 0
+        self.sessions: SessionManager | None = None
+        if self.stateful:
+            self.sessions = SessionManager(
+                self._spawn_session, pool=pool, max_live=max_sessions, idle_s=session_idle_s,
+                checkpoint_bytes=checkpoint_mb << 20, wall_timeout_s=wall_timeout_s,
+                cap=4 * max_output)
+            pool = 0  # the pool holds session sandboxes; a call without a session runs cold
         self.pool = WarmPool(self._spawn_warm, pool) if pool > 0 else None
         self._latencies: deque[float] = deque(maxlen=_WINDOW)
         self._cold_fallbacks = self._cold_overflow = 0
@@ -262,6 +288,29 @@ class PythonTool:
             [self.python, "-s", "-u", "-c", _WARM_RUNNER, *self.preload])
         return WarmSandbox(proc, release)
 
+    def _spawn_session(self) -> SessionSandbox:
+        limits = replace(self.sandbox.limits,
+                         max_procs=self.sandbox.limits.max_procs + _SESSION_PROCS)
+        settings = json.dumps({"ready": READY.decode("latin-1"),
+                               "preload": [*self.preload, "cloudpickle", "tarfile"]})
+        proc, release = replace(self.sandbox, limits=limits, as_pid_1=True).spawn(
+            [self.python, "-s", "-u", "-c", _SESSION_CHILD, settings])
+        return SessionSandbox(proc, release)
+
+    def open_session(self) -> PySession:
+        """A new trajectory's interpreter (no sandbox until its first call)."""
+        if self.sessions is None:
+            raise RuntimeError("PythonTool: sessions need state='session'")
+        return self.sessions.open()
+
+    async def call_in(self, session: PySession, args: str) -> ToolResult:
+        """One call in ``session``: what it printed, as ``call`` reports it."""
+        start = time.perf_counter()
+        result = self._session_result(await self.sessions.call(session, args))
+        result.latency_s = time.perf_counter() - start
+        self._latencies.append(result.latency_s)
+        return result
+
     async def call(self, args: str) -> ToolResult:
         start = time.perf_counter()
         code, cap = args.encode("utf-8"), 4 * self.max_output
@@ -299,7 +348,35 @@ class PythonTool:
 
         out = {"latency_p50_s": pct(0.5), "latency_p99_s": pct(0.99),
                "cold_fallbacks": self._cold_fallbacks, "cold_overflow": self._cold_overflow}
+        if self.sessions is not None:
+            out |= self.sessions.stats()
         return out | (self.pool.stats() if self.pool is not None else {})
+
+    def _session_result(self, reply: Reply) -> ToolResult:
+        """A session reply as a result; errors say what became of the session's state."""
+        text = reply.output.decode("utf-8", "replace")
+        kind, status = reply.kind, reply.status
+        if kind == "ok":
+            return ToolResult(self._clip(text if reply.truncated else text.rstrip(),
+                                         keep_tail=False), ok=True, latency_s=reply.wall_s)
+        if kind == "exit" and status.get("kept") and status.get("code") == 0:
+            return ToolResult(self._clip(text.rstrip(), keep_tail=False), ok=True,
+                              latency_s=reply.wall_s)
+        text = self._clip(text.rstrip(), keep_tail=True)
+        kept = "" if status.get("kept") else (
+            " (the session keeps its state from before this call)")
+        rebuilt = " Its state from before this call is rebuilt at the next call."
+        note, error = {
+            "exception": ("", "exception"),
+            "exit": (f"exit code {status.get('code')}{kept}", "exit_code"),
+            "killed": (f"{self._signal_text(int(status.get('signal', 9)))}{kept}", "killed"),
+            "timeout": (f"TimeoutError: execution exceeded the {self.wall_timeout_s:g} s time "
+                        f"limit; the session was stopped.{rebuilt}", "timeout"),
+            "flood": (f"Output flood: the session was stopped.{rebuilt}", "killed"),
+            "dead": (f"The session's interpreter died during the call.{rebuilt}", "session"),
+        }.get(kind, (f"Session error: {status.get('message', kind)}", "session"))
+        full = f"{text}\n{note}" if text and note else text or note
+        return ToolResult(full, ok=False, latency_s=reply.wall_s, error=error)
 
     def _result(self, run: SandboxRun) -> ToolResult:
         text = run.output.decode("utf-8", "replace")
@@ -347,9 +424,11 @@ class PythonTool:
         return f"Killed ({name})"
 
     async def close(self) -> None:
-        """Kill the warm sandboxes not yet used; nothing else persists between calls."""
+        """Kill the warm sandboxes not yet used and every live session's sandbox."""
         if self.pool is not None:
             await self.pool.close()
+        if self.sessions is not None:
+            await self.sessions.close_all()
 
 
 def _check_modules(names: Sequence[str]) -> list[str]:

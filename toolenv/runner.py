@@ -7,11 +7,19 @@ backoff for transient errors only -> cache store of successful results. Errors a
 timeouts are never cached, and a timeout is never retried (a snippet that ran out of time
 once will do so again).
 
-``build_tools`` wires the tools listed in ``ToolsConfig.enabled`` and the classes named in
-``ToolsConfig.custom``: a custom tool gets exactly this runner, its calls counted per tool
+``build_tools`` wires the tools listed in ``ToolsConfig.enabled``, the classes named in
+``ToolsConfig.custom`` and the tools of the ``ToolsConfig.mcp`` servers (toolenv/
+mcp_tools.py): a custom or MCP tool gets exactly this runner, its calls counted per tool
 like the built-in ones. A call that cannot run (a Hermes call whose JSON does not parse,
 names no known tool, or has arguments its schema rejects) is answered by ``reject``:
 counted as a call and an error, never executed.
+
+Stateful tools (``python`` with ``tools.python_state=session``; toolenv/base.py) keep a
+session per trajectory: ``open_state`` gives a trajectory its ``ToolState`` (one session
+per stateful tool), ``ToolState.fork`` copies it at a branch point and ``close`` ends it.
+A call with a state is keyed in the cache by the session's digest as well (a result is
+never served to a different state), and a hit moves the session on as if the call had run
+(``advance``).
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import logging
 import time
 from collections import deque
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from asyncio_throttle import Throttler
 
@@ -53,6 +61,22 @@ def _percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[index]
 
 
+class ToolState:
+    """One trajectory's sessions in the stateful tools, by tool name."""
+
+    def __init__(self, sessions: dict[str, Any]):
+        self.sessions = sessions
+
+    async def fork(self) -> ToolState:
+        """A copy for a branch: each session's state now (the branch's own from here on)."""
+        return ToolState({name: await s.fork() for name, s in self.sessions.items()})
+
+    def close(self, reason: str = "finished") -> None:
+        """The trajectory ended (``finished``) or was cancelled or failed (``dropped``)."""
+        for session in self.sessions.values():
+            session.close(reason)
+
+
 class ToolRunner:
     """Every tool call goes through here (see the module docstring for the order)."""
 
@@ -73,19 +97,32 @@ class ToolRunner:
         self._latencies: deque[float] = deque(maxlen=_LATENCY_WINDOW)
         self._per_tool: dict[str, dict[str, float]] = {}
 
-    async def call(self, name: str, args: str) -> ToolResult:
-        """Run one tool call; failures come back as ``ok=False`` results, never raised."""
+    def open_state(self) -> ToolState | None:
+        """A new trajectory's sessions; None when no tool keeps state (the default)."""
+        stateful = {name: tool for name, tool in self.tools.items()
+                    if getattr(tool, "stateful", False)}
+        if not stateful:
+            return None
+        return ToolState({name: tool.open_session() for name, tool in stateful.items()})
+
+    async def call(self, name: str, args: str, state: ToolState | None = None) -> ToolResult:
+        """Run one tool call (in the trajectory's ``state`` when the tool keeps one);
+        failures come back as ``ok=False`` results, never raised."""
         start = time.perf_counter()
         tool = self.tools.get(name)
+        session = state.sessions.get(name) if state is not None else None
         if tool is None:
             known = ", ".join(sorted(self.tools)) or "none"
             result = ToolResult(f"unknown tool {name!r} (available: {known})", ok=False,
                                 error="unknown_tool")
         else:
-            result = self._lookup(tool, args)
+            digest = session.digest if session is not None else ""
+            result = self._lookup(tool, args, digest)
+            if result is not None and session is not None:
+                session.advance(args)
             if result is None:
-                result = await self._execute(tool, args)
-                self._store(tool, args, result)
+                result = await self._execute(tool, args, session)
+                self._store(tool, args, result, digest)
         result.latency_s = time.perf_counter() - start
         self._count(name, result)
         return result
@@ -99,11 +136,11 @@ class ToolRunner:
         self._count(name if name in self.tools else "invalid", result)
         return result
 
-    def _lookup(self, tool: Tool, args: str) -> ToolResult | None:
+    def _lookup(self, tool: Tool, args: str, state: str) -> ToolResult | None:
         if self.cache is None:
             return None
         try:
-            text = self.cache.get(tool.name, tool.version, args)
+            text = self.cache.get(tool.name, tool.version, args, state)
         except Exception:  # a locked or damaged cache costs a lookup, not the call
             self._counts["cache_lookup_errors"] += 1
             log.exception("tool cache lookup failed for %s", tool.name)
@@ -114,24 +151,25 @@ class ToolRunner:
         self._counts["cache_hits"] += 1
         return ToolResult(text, ok=True, cached=True)
 
-    async def _execute(self, tool: Tool, args: str) -> ToolResult:
+    async def _execute(self, tool: Tool, args: str, session: Any) -> ToolResult:
         self._counts["executed"] += 1
         attempt = 0
         while True:
-            result = await self._attempt(tool, args)
+            result = await self._attempt(tool, args, session)
             if result.ok or not result.transient or attempt >= self.retries:
                 return result
             await asyncio.sleep(self.backoff_s * 2**attempt)
             attempt += 1
             self._counts["retries"] += 1
 
-    async def _attempt(self, tool: Tool, args: str) -> ToolResult:
+    async def _attempt(self, tool: Tool, args: str, session: Any) -> ToolResult:
         if self._throttle is not None:
             async with self._throttle:
                 pass  # only the start of a call is rate limited, not its duration
         async with self._slots:
             try:
-                return await asyncio.wait_for(tool.call(args), self.timeout_s)
+                call = tool.call(args) if session is None else tool.call_in(session, args)
+                return await asyncio.wait_for(call, self.timeout_s)
             except asyncio.TimeoutError:
                 return ToolResult(f"TimeoutError: {tool.name} call exceeded the "
                                   f"{self.timeout_s:g} s time limit", ok=False, error="timeout")
@@ -143,11 +181,11 @@ class ToolRunner:
                 return ToolResult(f"{type(exc).__name__}: {exc}", ok=False,
                                   error=f"raised:{type(exc).__name__}")
 
-    def _store(self, tool: Tool, args: str, result: ToolResult) -> None:
+    def _store(self, tool: Tool, args: str, result: ToolResult, state: str) -> None:
         if self.cache is None or not result.ok:
             return
         try:
-            self.cache.set(tool.name, tool.version, args, result.text)
+            self.cache.set(tool.name, tool.version, args, result.text, state=state)
         except Exception:  # a full disk costs the cache entry, not the call
             self._counts["cache_store_errors"] += 1
             log.exception("tool cache store failed for %s", tool.name)
@@ -221,7 +259,10 @@ def build_tools(cfg: ToolsConfig, run_dir: str | Path) -> ToolRunner:
                 wall_timeout_s=max(cfg.timeout_s - 0.25, 0.9 * cfg.timeout_s),
                 allow_unsandboxed=cfg.allow_unsandboxed,
                 hide=[run_dir, cache_dir],  # checkpoints, logs and cached results
-                pool=cfg.python_pool, preload=cfg.python_preload)
+                pool=cfg.python_pool, preload=cfg.python_preload, state=cfg.python_state,
+                max_sessions=cfg.python_max_sessions,
+                session_idle_s=cfg.python_session_idle_s,
+                checkpoint_mb=cfg.python_checkpoint_mb)
         elif name == "search":
             from toolenv.search import SearchTool
 
@@ -232,6 +273,10 @@ def build_tools(cfg: ToolsConfig, run_dir: str | Path) -> ToolRunner:
             raise ValueError(f"tools.enabled: unknown tool {name!r} (known: python, search)")
     try:
         tools |= custom_tools(cfg)
+        if cfg.mcp:
+            from toolenv.mcp_tools import mcp_tools
+
+            tools |= mcp_tools(cfg, taken=set(tools))
     except ConfigError:
         cache.close()
         raise

@@ -137,6 +137,10 @@ class Sandbox:
     scratch_bytes: int = 64 << 20  # size of the /tmp scratch tmpfs (and /dev/shm's)
     env: dict[str, str] = field(default_factory=dict)
     uid_pool: UidPool | None = None
+    # The command is the pid namespace's init (bwrap --as-pid-1): nothing inside can kill
+    # it (init ignores signals it has no handler for), and the sandbox ends when it does.
+    # A Python session's keeper runs so (toolenv/session_child.py).
+    as_pid_1: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -160,6 +164,8 @@ class Sandbox:
         else:
             head = ["--unshare-all", "--unshare-user", "--disable-userns",
                     "--uid", str(NOBODY), "--gid", str(NOBODY)]
+        if self.as_pid_1:
+            head.append("--as-pid-1")
         inner += list(command)
         return ["bwrap", "--die-with-parent", "--new-session", *head, *self._mounts(),
                 "--clearenv", *self._setenv(), "--", *inner]

@@ -70,9 +70,12 @@ class ToolSyntax(Protocol):
 
     def prompt(self, system: str | None) -> tuple[str | None, list[dict] | None]: ...
 
+    template_kwargs: dict  # extra chat-template arguments (model.chat_template_kwargs)
+
 
 class _Checks:
     markup: Markup
+    template_kwargs: dict
 
     def validate_format(self, text: str) -> tuple[bool, str]:
         return validate_format(text, markup=self.markup)
@@ -86,9 +89,11 @@ class ArpoSyntax(_Checks):
 
     name = "arpo"
 
-    def __init__(self, specs: Iterable[ToolSpec], tokenizer: Any = None):
+    def __init__(self, specs: Iterable[ToolSpec], tokenizer: Any = None,
+                 template_kwargs: dict | None = None):
         self.specs = {s.name: s for s in specs}
         self.tokenizer = tokenizer
+        self.template_kwargs = dict(template_kwargs or {})
         # python and search keep their tags when not enabled: a call to one is answered
         # "unknown tool" by the runner (as before custom tools), never read as text.
         self.markup = arpo_markup(tuple(dict.fromkeys([*DEFAULT_TOOLS, *self.specs])))
@@ -122,9 +127,11 @@ class HermesSyntax(_Checks):
 
     name = "hermes"
 
-    def __init__(self, specs: Iterable[ToolSpec], tokenizer: Any):
+    def __init__(self, specs: Iterable[ToolSpec], tokenizer: Any,
+                 template_kwargs: dict | None = None):
         self.specs = {s.name: s for s in specs}
         self.tokenizer = tokenizer
+        self.template_kwargs = dict(template_kwargs or {})
         self.stop_strings = [CALL_CLOSE, "</answer>"]
         self._defuse = self._dangerous()
         pre, post = self._result_frame()
@@ -137,7 +144,8 @@ class HermesSyntax(_Checks):
     def _render(self, messages: list[dict], tools: list[dict] | None = None,
                 generation: bool = False) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=generation)
+            messages, tools=tools, tokenize=False, add_generation_prompt=generation,
+            **self.template_kwargs)
 
     def _turn(self, content: str) -> str:
         """The template's text after the assistant's content: end of turn, the tool
@@ -253,8 +261,9 @@ def _argument_problem(spec: ToolSpec, arguments: Any) -> str:
 
 
 def tool_specs(cfg: Any) -> list[ToolSpec]:
-    """What the model is told about the configured tools (``tools.enabled`` then
-    ``tools.custom``), read from their classes: nothing is constructed."""
+    """What the model is told about the configured tools (``tools.enabled``, then
+    ``tools.custom``, read from their classes: nothing is constructed; then the ``tools.mcp``
+    servers' tools, from their listing: toolenv/mcp_tools.py)."""
     from toolenv.tool_classes import load_tool_class
 
     classes = []
@@ -267,12 +276,19 @@ def tool_specs(cfg: Any) -> list[ToolSpec]:
             raise ValueError(f"tools.enabled: unknown tool {name!r} (known: python, search)")
         classes.append(cls)
     classes += [load_tool_class(path) for path in cfg.custom]
-    return [ToolSpec.of(cls) for cls in classes]
+    specs = [ToolSpec.of(cls) for cls in classes]
+    if getattr(cfg, "mcp", None):
+        from toolenv.mcp_tools import mcp_specs
+
+        specs += mcp_specs(cfg)
+    return specs
 
 
-def build_syntax(cfg: Any, tokenizer: Any) -> ArpoSyntax | HermesSyntax:
-    """The syntax ``cfg.syntax`` (a ``ToolsConfig``) names, over the configured tools."""
+def build_syntax(cfg: Any, tokenizer: Any,
+                 template_kwargs: dict | None = None) -> ArpoSyntax | HermesSyntax:
+    """The syntax ``cfg.syntax`` (a ``ToolsConfig``) names, over the configured tools;
+    ``template_kwargs`` go to every chat-template rendering (prompts and tool turns)."""
     specs = tool_specs(cfg)
     if cfg.syntax == "hermes":
-        return HermesSyntax(specs, tokenizer)
-    return ArpoSyntax(specs, tokenizer)
+        return HermesSyntax(specs, tokenizer, template_kwargs)
+    return ArpoSyntax(specs, tokenizer, template_kwargs)

@@ -50,6 +50,11 @@ class GenRequest:
 UPDATE_MODES = ("drain", "interrupt")
 
 
+class ContextOverflow(ValueError):
+    """A request whose context leaves no room under the engine's max_model_len: the
+    rollout ends that trajectory as ``length`` (counted), never the actor."""
+
+
 @dataclass
 class GenResult:
     tokens: list[int]  # sampled ids, including the stop token/tag that ended the round

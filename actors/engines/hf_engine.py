@@ -26,6 +26,7 @@ from actors.engines.base import (
     check_weight_names,
     torch_state_dict,
 )
+from arpo_async.core.logits import causal_lm_logprobs
 
 GREEDY_EPS = 1e-5  # temperatures below this decode greedily (vLLM's _SAMPLING_EPS)
 
@@ -119,7 +120,8 @@ class HFEngine:
         tokens, logprobs, tops = [], [], []
         finish, reason = "length", None
         with torch.inference_mode():
-            out = self._model(torch.tensor([prompt]), use_cache=True)
+            # the prefill's logits of the last position only: [1, 1, V], not [1, L, V]
+            out = self._model(torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
             for _ in range(max(0, limit)):
                 if stop.is_set():
                     finish = "abort"
@@ -172,10 +174,10 @@ class HFEngine:
         import torch
 
         ids = torch.tensor([list(prompt_tokens) + list(tokens)])
+        select = torch.zeros(1, ids.shape[1] - 1, dtype=torch.bool)
+        select[0, len(prompt_tokens) - 1:] = True  # the positions that predict ``tokens``
         with torch.inference_mode():
-            logits = self._model(ids).logits[0, len(prompt_tokens) - 1 : -1].float()
-        lp = torch.log_softmax(logits, dim=-1)
-        return lp.gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+            return causal_lm_logprobs(self._model, ids, select).logp.tolist()
 
     async def sequence_logprobs(self, prompt_tokens: list[int], tokens: list[int]) -> list[float]:
         if not prompt_tokens:

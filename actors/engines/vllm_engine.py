@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.engines.base import (
+    ContextOverflow,
     GenRequest,
     GenResult,
     WeightGate,
@@ -217,8 +218,8 @@ class VLLMEngine:
         if not tokens:
             raise ValueError("prompt_tokens is empty")
         if len(tokens) + extra > self.max_model_len:
-            raise ValueError(f"prompt of {len(tokens)} tokens (+{extra}) exceeds "
-                             f"model.max_model_len={self.max_model_len}")
+            raise ContextOverflow(f"prompt of {len(tokens)} tokens (+{extra}) exceeds "
+                                  f"model.max_model_len={self.max_model_len}")
 
     async def _run(self, prompt: list[int], params: Any, request_id: str | None = None) -> Any:
         from vllm.inputs import TokensPrompt

@@ -60,6 +60,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from arpo_async.core.logits import entropy_of_logits
+
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Exact entropy of softmax(logits) over the last dim, divided by log V.
@@ -68,14 +70,7 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     Tokens with logit -inf (masked out) contribute 0. Apply temperature before calling
     (``logits / T``) to get the entropy of the sampling distribution.
     """
-    vocab = logits.shape[-1]
-    if vocab < 2:
-        raise ValueError(f"entropy_from_logits: vocabulary of {vocab} token(s); need >= 2")
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    p = logp.exp()
-    # 0 * -inf is nan; a zero-probability token contributes nothing.
-    terms = torch.where(p > 0, p * logp, torch.zeros_like(p))
-    return (-terms.sum(-1) / math.log(vocab)).clamp(0.0, 1.0)
+    return entropy_of_logits(logits.float())  # one softmax copy (arpo_async/core/logits.py)
 
 
 def _token_entropy(logps: np.ndarray, vocab_size: int | None) -> float:

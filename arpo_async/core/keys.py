@@ -11,7 +11,8 @@ The rule both sides follow, so that they always agree: **keys present in the run
 folder mean CurveZMQ on every socket**; without keys the sockets are plain, which
 ``require_security`` allows only for a loopback bind (or with ``transport.insecure``,
 loudly). A ZAP authenticator thread, one per ``zmq.Context`` (libzmq allows one ZAP
-handler per context), admits only the listed client keys and reports each denial.
+handler per context), admits only the listed client keys and reports each denial;
+``HandshakeWatch`` reports the clients that came without any keys.
 """
 
 from __future__ import annotations
@@ -179,6 +180,31 @@ class _AllowList:
             return True
         self.on_denied(key)
         return False
+
+
+class HandshakeWatch:
+    """Reports the peers of a CURVE server socket whose handshake failed before ZAP saw a
+    key: a client with no CurveZMQ keys at all speaks the NULL mechanism, which the
+    server refuses without asking the authenticator (a wrong key reaches ZAP and is
+    reported by ``start_authenticator``'s ``on_denied``). ``poll`` reads the socket's
+    monitor without waiting; call it from the thread that uses the socket."""
+
+    EVENTS = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+
+    def __init__(self, sock: zmq.Socket, on_failed: Callable[[int], None]):
+        self.monitor = sock.get_monitor_socket(self.EVENTS)
+        self.on_failed = on_failed
+
+    def poll(self) -> None:
+        from zmq.utils.monitor import parse_monitor_message
+
+        while self.monitor is not None and self.monitor.poll(0):
+            self.on_failed(parse_monitor_message(self.monitor.recv_multipart())["event"])
+
+    def close(self) -> None:
+        if self.monitor is not None:
+            self.monitor.close(linger=0)
+            self.monitor = None
 
 
 def start_authenticator(ctx: zmq.Context, keys: ServerKeys,

@@ -86,6 +86,9 @@ class ExitCode(IntEnum):
     OK = 0  # finished: the learner ended the run, or reached its steps or time
     FAILED = 1  # an error: the supervisor restarts the role (with backoff)
     CONFIG = 2  # bad config or arguments: a restart would fail the same way
+    # EX_UNAVAILABLE: an actor heard nothing from the learner for transport.connect_timeout_s
+    # (its host vanished, or the run ended unseen); a restart would only wait as long again
+    LEARNER_GONE = 69
     RESTART = 75  # EX_TEMPFAIL: the process cannot go on (a stuck NCCL group); restart it
     INTERRUPTED = 130  # Ctrl-C / SIGTERM
 

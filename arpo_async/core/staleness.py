@@ -19,7 +19,9 @@ weights do (it must fetch newer weights first; this always covers a < v - eta). 
 the rule obeyed and groups trained in start order no group ever exceeds lag eta; when
 groups finish out of order a straggler can, and ``StalenessFilter`` drops and counts it.
 Groups that were granted but will never be trained (dropped as stale, aborted, lost with
-a dead actor) must be ``release``d, else capacity never reopens and the run deadlocks.
+a dead actor) must be ``release``d, else capacity never reopens and the run deadlocks;
+groups trained without a counted ticket are ``adopt``ed, so that ``started`` keeps
+counting every trained group.
 Nothing is dropped silently: every grant, release and drop is counted by reason.
 
 The rule needs eta >= sync_every - 1: actors only see published versions, so with
@@ -93,6 +95,18 @@ class Admission:
         if not 0 <= n <= self.started:
             raise ValueError(f"release({n}, {reason!r}): only {self.started} groups started")
         self._released[reason] += n
+
+    def adopt(self, n: int) -> None:
+        """Count ``n`` groups that arrived without a counted ticket and will be trained
+        (their ticket was released while their actor was silent or reconnecting, or a
+        learner that died granted it): they hold capacity like any started group. Left
+        out, each would keep one slot too many open for the rest of the run, so that the
+        learner admits more groups than it can train fresh and drops the excess as stale
+        (after one reconnect, a quarter of every later group)."""
+        if n < 0:
+            raise ValueError(f"adopt({n}): n must be >= 0")
+        self._granted += n
+        self._count["adopted"] += n
 
     def counters(self) -> dict[str, float]:
         """granted, started, released (+ released_<reason>), requests, and

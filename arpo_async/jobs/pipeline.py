@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from arpo_async.core.config import Config, ConfigError, load_config, save_config
+from arpo_async.jobs.preflight import check_lengths
 
 STATE = "pipeline.json"
 USER_CONFIG = "pipeline_config.yaml"  # the config as given, before stage overrides
@@ -114,7 +115,8 @@ def cold_start_sft(cfg: Config, model_path: str, out: Path) -> dict:
                   batch_size=p.sft_batch_size, seed=cfg.run.seed, threads=p.threads,
                   warmup_frac=p.sft_warmup_frac, min_lr_frac=p.sft_min_lr_frac,
                   max_len=cfg.model.max_model_len, log=lambda s: print(s, flush=True),
-                  tools=cfg.tools)
+                  tools=cfg.tools, template_kwargs=cfg.model.chat_template_kwargs,
+                  chunk=cfg.learner.logprob_chunk_tokens)
     return {k: v for k, v in res.items() if k != "history"}
 
 
@@ -174,6 +176,9 @@ def rl_figures(run_dir: Path) -> dict:
         "staleness_max": max(r["staleness_max"] for r in rows),
         "dropped_stale": last["dropped_stale"],
         "tool_calls": sum(r.get("tool_calls", 0) for r in rows),
+        "context_full": sum(r.get("rollout/context_full", 0) for r in rows),
+        "prompts_skipped_too_long": sum(v for k, v in svc.items()
+                                        if k.endswith("prompts_skipped_too_long")),
         "tool_cache_hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
         "reward_first": rows[0]["reward_mean"], "reward_last": last["reward_mean"],
         "train_accuracy_first": rows[0].get("score_mean"),
@@ -234,6 +239,9 @@ def run(args) -> int:
     t0 = time.time() - stages.state.get("wall_time_s", 0.0)
     data = stages.run("data", build_data, cfg)
     model = stages.run("model", build_model, cfg)
+    lengths = check_lengths(cfg)  # before SFT: a run that cannot fit stops now
+    if lengths is not None:
+        _say(f"lengths: {lengths.line()} (sampling.on_overflow={cfg.sampling.on_overflow})")
     sft_dir = run_dir / "sft"
     if cfg.pipeline.sft:
         stages.run("sft", cold_start_sft, cfg, model["path"], sft_dir)

@@ -6,14 +6,40 @@ need the tool classes or the model's tokenizer are injected from here.
 
 - ``tools.custom``: each class imported and checked against the tool protocol
   (toolenv/tool_classes.py), one line naming ``tools.custom[i]`` and the path.
-- ``model.path``: the tiny local model built there when missing (not on a dry run).
+- ``model.path``: the tiny local model built there when missing (not on a dry run,
+  which checks lengths only when the folder is there).
+- Lengths, once the tokenizer can be read: every prompt of the run's task, chat-templated
+  as the actor sends it (system prompt, the tools block of ``tools.syntax``, question,
+  ``model.chat_template_kwargs``), plus ``sampling.max_response_tokens``, against
+  ``model.max_model_len``. ``sampling.on_overflow = refuse`` stops the run in one line
+  naming the keys, the numbers and the longest prompt; ``skip`` leaves such prompts out
+  (the actors count them, ``prompts_skipped_too_long``); ``cap`` runs them (a trajectory
+  that fills ``max_model_len`` ends as ``length``, counted in ``rollout/context_full``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
 from arpo_async.core.config import Config, ConfigError
 from arpo_async.jobs.tiny_model import resolve_model_path
+from toolenv.tasks.prompts import PromptSource
 from toolenv.tool_classes import check_custom_tools
+
+
+@dataclass
+class LengthReport:
+    prompts: int
+    longest: int  # tokens of the longest prompt
+    longest_id: str  # its id (and file row)
+    room: int  # model.max_model_len - sampling.max_response_tokens
+    over: int  # prompts longer than room
+
+    def line(self) -> str:
+        return (f"{self.prompts} prompts, the longest {self.longest} tokens ({self.longest_id}); "
+                f"{self.over} leave less than sampling.max_response_tokens under "
+                "model.max_model_len")
 
 
 def prepare_run(cfg: Config, dry_run: bool = False) -> None:
@@ -22,9 +48,48 @@ def prepare_run(cfg: Config, dry_run: bool = False) -> None:
         check_custom_tools(cfg.tools)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if dry_run:
-        return
+    if not dry_run:
+        try:
+            cfg.model.path = resolve_model_path(cfg)
+        except (FileNotFoundError, ValueError, OSError) as exc:
+            raise ConfigError(str(exc).splitlines()[0]) from None
+    check_lengths(cfg)  # a dry run checks them too when the model folder is there
+
+
+def check_lengths(cfg: Config, tokenizer=None) -> LengthReport | None:
+    """Every prompt of ``cfg.task`` (encoded as the actor encodes it) + the response
+    budget against ``model.max_model_len``; ConfigError under ``on_overflow = refuse``.
+    None when the model folder or the task's data is not there yet (a hub name, the
+    pipeline before its data stage)."""
+    if tokenizer is None:
+        if not (Path(cfg.model.path) / "config.json").is_file():
+            return None
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    if cfg.task.name == "file" and not Path(cfg.task.data).is_file():
+        return None
     try:
-        cfg.model.path = resolve_model_path(cfg)
-    except (FileNotFoundError, ValueError, OSError) as exc:
+        source = PromptSource(cfg, tokenizer)
+    except ValueError as exc:
         raise ConfigError(str(exc).splitlines()[0]) from None
+    s, limit = cfg.sampling, cfg.model.max_model_len
+    room = limit - s.max_response_tokens
+    lengths = [(len(source.encode(p).tokens), p) for p in source.items]
+    longest, prompt = max(lengths, key=lambda x: x[0])
+    row = prompt.meta.get("row")
+    report = LengthReport(len(lengths), longest,
+                          prompt.id + (f", {cfg.task.data} row {row}" if row is not None else ""),
+                          room, sum(n > room for n, _ in lengths))
+    if report.over and s.on_overflow == "refuse":
+        raise ConfigError(
+            f"the longest prompt ({report.longest_id}) is {longest} tokens: + "
+            f"sampling.max_response_tokens={s.max_response_tokens} = "
+            f"{longest + s.max_response_tokens} > model.max_model_len={limit} ({report.over} "
+            f"of {report.prompts} prompts); raise model.max_model_len, lower "
+            "sampling.max_response_tokens, or set sampling.on_overflow=skip (leave them out) "
+            "or cap (a trajectory that fills max_model_len ends as length)")
+    if report.over and s.on_overflow == "skip" and report.over == report.prompts:
+        raise ConfigError(f"sampling.on_overflow=skip: every prompt is longer than "
+                          f"model.max_model_len - sampling.max_response_tokens = {room} tokens")
+    return report

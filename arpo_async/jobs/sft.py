@@ -33,6 +33,7 @@ import functools
 import json
 import math
 import os
+import resource
 import shutil
 import time
 from collections.abc import Callable
@@ -134,19 +135,19 @@ def collate(batch: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[Any,
     return ids, mask
 
 
-def masked_lm_loss(logits: Any, ids: Any, mask: Any) -> tuple[Any, dict[str, float]]:
-    """Mean next-token cross-entropy over positions whose *target* has mask 1.
-    logits [B, T, V] predict ids[:, 1:]. Returns (loss, {"tokens", "accuracy"})."""
-    import torch
+def masked_lm_loss(model: Any, ids: Any, mask: Any, chunk: int = 512
+                   ) -> tuple[Any, dict[str, float]]:
+    """Mean next-token cross-entropy of ``model`` over the positions whose *target* has
+    mask 1 (ids[:, 1:] predicted from ids[:, :-1]), with the output layer applied only to
+    those positions, ``chunk`` at a time (arpo_async/core/logits.py): no [B, T, V] logits.
+    Returns (loss, {"tokens", "accuracy"}), accuracy = greedy hits among the targets."""
+    from arpo_async.core.logits import causal_lm_logprobs
 
-    targets, weight = ids[:, 1:], mask[:, 1:]
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    nll = -logp.gather(-1, targets[..., None])[..., 0]
-    count = weight.sum().clamp_min(1.0)
-    loss = (nll * weight).sum() / count
-    with torch.no_grad():
-        hit = ((logp.argmax(-1) == targets).float() * weight).sum() / count
-    return loss, {"tokens": float(weight.sum()), "accuracy": float(hit)}
+    select = mask[:, 1:] > 0
+    stats = causal_lm_logprobs(model, ids, select, chunk=chunk, hit=True)
+    count = max(int(select.sum()), 1)
+    loss = -stats.logp.sum() / count
+    return loss, {"tokens": float(select.sum()), "accuracy": float(stats.hit.sum()) / count}
 
 
 def lr_factor(progress: float, warmup_frac: float = 0.05, min_lr_frac: float = 0.1) -> float:
@@ -160,7 +161,8 @@ def lr_factor(progress: float, warmup_frac: float = 0.05, min_lr_frac: float = 0
     return min_lr_frac + (1 - min_lr_frac) * cos
 
 
-def mean_loss(model: Any, data: list, pad_id: int, batch_size: int = 16) -> float:
+def mean_loss(model: Any, data: list, pad_id: int, batch_size: int = 16,
+              chunk: int = 512) -> float:
     """Model-token loss of ``data`` (no gradient), weighted by tokens."""
     import torch
 
@@ -168,7 +170,7 @@ def mean_loss(model: Any, data: list, pad_id: int, batch_size: int = 16) -> floa
     with torch.no_grad():
         for i in range(0, len(data), batch_size):
             ids, mask = collate(data[i:i + batch_size], pad_id)
-            loss, m = masked_lm_loss(model(input_ids=ids).logits, ids, mask)
+            loss, m = masked_lm_loss(model, ids, mask, chunk)
             total += float(loss) * m["tokens"]
             count += m["tokens"]
     return total / max(count, 1.0)
@@ -237,10 +239,10 @@ class _Batches:
         return self.queue.pop()
 
 
-def _train_step(model: Any, opt: Any, ids: Any, mask: Any) -> tuple[float, float]:
+def _train_step(model: Any, opt: Any, ids: Any, mask: Any, chunk: int) -> tuple[float, float]:
     import torch
 
-    loss, m = masked_lm_loss(model(input_ids=ids).logits, ids, mask)
+    loss, m = masked_lm_loss(model, ids, mask, chunk)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -252,13 +254,16 @@ def run_sft(model_dir: str | Path, data_path: str | Path, out_dir: str | Path,
             steps: int | None = None, time_budget_s: float | None = None, lr: float = 2e-3,
             batch_size: int = 16, seed: int = 0, threads: int = 2, weight_decay: float = 0.0,
             max_len: int = 512, log: Callable[[str], None] | None = None,
-            warmup_frac: float = 0.05, min_lr_frac: float = 0.1, tools: Any = None) -> dict:
+            warmup_frac: float = 0.05, min_lr_frac: float = 0.1, tools: Any = None,
+            template_kwargs: dict | None = None, chunk: int = 512) -> dict:
     """Fine-tune ``model_dir`` on the traces in ``data_path``; save to ``out_dir``.
     Stops after ``steps`` or ``time_budget_s`` seconds of training, whichever comes
     first (at least one must be given); the learning-rate schedule runs over ``steps``
     when given, else over the time budget. ``tools``: the run's ``ToolsConfig``, so the
     traces are encoded in its ``tools.syntax`` with its tools (None: ARPO's tags as
-    written). Returns the run's figures."""
+    written); ``template_kwargs``: extra chat-template arguments (``model.chat_template_kwargs``);
+    ``chunk``: targets per output-layer pass (``learner.logprob_chunk_tokens``). Returns the
+    run's figures."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -270,10 +275,11 @@ def run_sft(model_dir: str | Path, data_path: str | Path, out_dir: str | Path,
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).train()
     syntax = None
-    if tools is not None:
+    if tools is not None or template_kwargs:
+        from arpo_async.core.config import ToolsConfig
         from toolenv.syntax import build_syntax
 
-        syntax = build_syntax(tools, tokenizer)
+        syntax = build_syntax(tools or ToolsConfig(), tokenizer, template_kwargs)
     data = load_traces(data_path, tokenizer, max_len, syntax)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95),
@@ -291,7 +297,7 @@ def run_sft(model_dir: str | Path, data_path: str | Path, out_dir: str | Path,
             progress = step / steps if steps else elapsed / time_budget_s
             group["lr"] = lr * lr_factor(progress, warmup_frac, min_lr_frac)
         ids, mask = collate([data[i] for i in batches.next()], pad)
-        window.append(_train_step(model, opt, ids, mask))
+        window.append(_train_step(model, opt, ids, mask, chunk))
         step, tokens = step + 1, tokens + ids.numel()
         if time.perf_counter() - last_log >= LOG_EVERY_S or step == steps:
             history.append(_log_line(log, step, steps, window, opt, tokens,
@@ -305,6 +311,7 @@ def run_sft(model_dir: str | Path, data_path: str | Path, out_dir: str | Path,
     return {"out": str(out), "steps": step, "train_s": round(wall, 1),
             "train_cpu_s": round(cpu, 1), "save_s": round(time.perf_counter() - t0 - wall, 2),
             "traces": len(data), "tokens": tokens, "tokens_per_s": round(tokens / wall, 1),
+            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
             "loss_first": history[0]["loss"], "loss_last": history[-1]["loss"],
             "accuracy_last": history[-1]["accuracy"], "history": history}
 
@@ -335,13 +342,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     ap.add_argument("--max-len", type=int, default=512, help="longest trace, tokens")
+    ap.add_argument("--chunk-tokens", type=int, default=512,
+                    help="targets per output-layer pass (0: all at once)")
     args = ap.parse_args(argv)
     if not args.steps and not args.time_budget_s:
         ap.error("give --steps or --time-budget-s")
     result = run_sft(args.model, args.data, args.out, steps=args.steps,
                      time_budget_s=args.time_budget_s, lr=args.lr, batch_size=args.batch_size,
                      seed=args.seed, threads=args.threads, weight_decay=args.weight_decay,
-                     max_len=args.max_len)
+                     max_len=args.max_len, chunk=args.chunk_tokens)
     result.pop("history")
     print(json.dumps(result))
 

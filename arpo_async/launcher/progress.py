@@ -83,6 +83,10 @@ class Progress:
         keys = ("status", "steps", "policy_version", "wall_time_s", "step_time_s_mean",
                 "broadcast_time_s_mean", "reward_mean_last")
         print("summary: " + ", ".join(f"{k}={summary.get(k)}" for k in keys), flush=True)
+        for gone in summary.get("actors_not_back", []):
+            print(f"actor {gone['actor']} ({gone['host'] or 'host unknown'}) never came back: "
+                  f"silent {gone['silent_s']:.0f} s at the end, {gone['received']} of its "
+                  f"groups received", flush=True)
         print(f"run folder: {self.cfg.run.dir}", flush=True)
 
 

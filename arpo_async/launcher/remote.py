@@ -14,7 +14,8 @@ run folder path + ``/actorI``), copies the CurveZMQ client keys from ``--keys`` 
 learner's ``RUN_DIR/keys``: ``client.key_secret`` and ``server.key``), and runs
 ``python -m actors.main`` as a child, restarting it after a crash with backoff up to
 ``actors.max_restarts`` times, as the launcher does for local actors. It exits 0 when the
-learner ends the run.
+learner ends the run, and 69 (``ExitCode.LEARNER_GONE``, not restarted) when the learner
+has not answered for ``transport.connect_timeout_s``: its host vanished.
 
 ``learner.config_server.ConfigServer`` is the learner's side of the exchange.
 """
@@ -33,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from arpo_async.core.protocol import ExitCode
 
 log = logging.getLogger("arpo_async.launcher.remote")
 
@@ -153,7 +156,8 @@ async def fetch_config(endpoint: str, keys: Any, actor_id: int, wait_s: float,
 def run_child(cmd: list[str], env: dict[str, str], max_restarts: int,
               backoff_s: float = 2.0) -> int:
     """Run ``cmd``; restart it after a non-zero exit, up to ``max_restarts`` times with
-    doubling backoff. SIGTERM/SIGINT stop the child and return 143/130."""
+    doubling backoff, except after ``ExitCode.LEARNER_GONE`` (returned as it is).
+    SIGTERM/SIGINT stop the child and return 143/130."""
     stop: list[int] = []
 
     def on_signal(signum, _frame):
@@ -172,6 +176,10 @@ def run_child(cmd: list[str], env: dict[str, str], max_restarts: int,
             code = proc.returncode
             if code == 0:
                 return 0
+            if code == ExitCode.LEARNER_GONE:  # a restart would wait for it as long again
+                log.error("actor stopped: the learner did not answer for "
+                          "transport.connect_timeout_s; not restarting it")
+                return code
             if restarts >= max_restarts:
                 log.error("actor exited with code %d after %d restarts; giving up", code,
                           restarts)

@@ -302,7 +302,7 @@ def launch(args: LaunchRequest, prepare: Preflight | None = None) -> int:
             r.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    summary = _summary(cfg, roles, status, reason, time.time() - t0)
+    summary = run_summary(cfg, roles, status, reason, time.time() - t0)
     from arpo_async.core.files import atomic_write_bytes
 
     atomic_write_bytes(run_dir / "summary.json", json.dumps(summary, indent=1).encode())
@@ -401,7 +401,9 @@ def _write_processes(run_dir: Path, roles: list[Role]) -> None:
                       {r.name: r.proc.pid for r in roles if r.proc is not None})
 
 
-def _summary(cfg: Config, roles: list[Role], status: str, reason: str, wall: float) -> dict:
+def run_summary(cfg: Config, roles: list[Role], status: str, reason: str, wall: float) -> dict:
+    """RUN_DIR/summary.json's content, from the learner's summary and metrics (also for
+    runs placed by Slurm, arpo_async/launcher/slurm.py, with ``roles`` empty)."""
     from arpo_async.core.metrics import read_metrics
 
     run_dir = Path(cfg.run.dir)
@@ -420,6 +422,8 @@ def _summary(cfg: Config, roles: list[Role], status: str, reason: str, wall: flo
         "restarts": {r.name: r.restarts for r in roles},
         "adopted": [r.name for r in roles if any(h["event"] == "adopt" for h in r.history)],
         "ledger": learner.get("ledger", {}), "learner": learner.get("service", {}),
+        # actors that never said Bye, e.g. on a host that vanished (learner/ledger.py)
+        "actors_not_back": learner.get("actors_not_back", []),
     }
 
 

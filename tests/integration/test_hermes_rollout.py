@@ -146,3 +146,99 @@ async def test_tool_calls_through_vllm_in_both_syntaxes(syntax, tiny_model_dir, 
     assert stats["errors"] == 1 and stats["invalid_calls"] == (1 if syntax == "hermes" else 0)
     assert stats["executed"] == (2 if syntax == "arpo" else 1)
 
+
+
+class ScriptedByContext:
+    """vLLM scoring a reply chosen by how the context ends (the bare prompt: the next
+    first call; a known tool result: what follows it), so every round is scripted and the
+    tree is the same on every run; vLLM gives each scripted token its log-prob."""
+
+    def __init__(self, engine, tokenizer, prompt_len: int, first: list[str],
+                 after: dict[str, str], stop: list[str]):
+        self.engine, self.tok, self.prompt_len = engine, tokenizer, prompt_len
+        self.first, self.after, self.stop = list(first), after, stop
+
+    @property
+    def version(self):
+        return self.engine.version
+
+    async def generate(self, req):
+        from actors.engines.base import GenResult
+
+        if len(req.prompt_tokens) == self.prompt_len:
+            text = self.first.pop(0)
+        else:
+            context = self.tok.decode(req.prompt_tokens, skip_special_tokens=False)
+            text = next(reply for end, reply in self.after.items() if context.endswith(end))
+        ids = self.tok.encode(text, add_special_tokens=False)
+        lps = await self.engine.sequence_logprobs(req.prompt_tokens, ids)
+        stop = next((s for s in self.stop if text.endswith(s)), None)
+        return GenResult(ids, lps, [[lp] for lp in lps], "stop", stop_reason=stop,
+                         version=self.engine.version)
+
+
+async def test_mcp_tool_and_python_session_through_vllm(tiny_model_dir, tmp_path, vllm_engine):
+    """One ARPO group on vLLM with a scripted tree: root 0 calls the MCP server's tool,
+    root 1 sets a variable in its Python session; every branch after that result reads
+    the variable in its own session (the fork's copy) and gets the same answer."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from actors.agent_rollout import AgentRollout
+    from toolenv.runner import build_tools
+    from toolenv.tasks.prompts import PromptSource
+
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap (bwrap) is not installed")
+    server = str(Path(__file__).with_name("mcp_server.py"))
+    cfg = config_from_dict({
+        "run": {"dir": str(tmp_path / "run"), "seed": 5},
+        "model": {"max_model_len": 1024},
+        "sampling": {"max_new_tokens": 24, "max_response_tokens": 200},
+        "rollout": {"mode": "arpo", "group_size": M, "initial_samples": N, "alpha": 1.0,
+                    "beta": 0.0, "tool_call_limit": 2},
+        "tools": {"enabled": ["python"], "python_state": "session", "timeout_s": 10.0,
+                  "mcp": [{"name": "testsrv", "command": sys.executable, "args": [server]}]},
+        "task": {"name": "arith"},
+    })
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tools = build_tools(cfg.tools, cfg.run.dir)
+    try:
+        source = PromptSource(cfg, tok)
+        syn, prompt = source.syntax, source.next()
+        result = syn.result_text
+        engine = ScriptedByContext(
+            vllm_engine, tok, len(prompt.tokens),
+            first=['<testsrv_slow>{"text": "hello"}</testsrv_slow>',
+                   "<python>x = 6 * 7\nprint(x)</python>"],
+            after={result("HELLO"): r"<answer>\boxed{5}</answer>",
+                   result("42"): "<python>print(x + 1)</python>",
+                   result("43"): r"<answer>\boxed{43}</answer>"},
+            stop=syn.stop_strings)
+        rollout = AgentRollout(cfg, engine, source, tok, tools, np.random.default_rng(1))
+        group = await rollout.run(prompt, actor_id=0)
+        stats = tools.stats()
+    finally:
+        await tools.close()
+    texts = [tok.decode(leaf.tokens, skip_special_tokens=False) for leaf in group.leaves]
+    assert len(group.leaves) == M
+    assert texts[0].startswith('<testsrv_slow>{"text": "hello"}</testsrv_slow>' +
+                               result("HELLO"))  # the MCP result reached the trajectory
+    python = [t for t in texts if t.startswith("<python>")]
+    # root 1, its fork after the first result (it ran print(x + 1) in the copy of root 1's
+    # session) and any later fork: all read 43
+    assert python and all(result("42") + "<python>print(x + 1)</python>" + result("43") in t
+                          for t in python), texts
+    forked = [leaf for leaf, text in zip(group.leaves, texts) if leaf.parent >= 0 and
+              text.startswith("<python>") and leaf.tool_calls == 2 and
+              tok.decode(leaf.tokens[:leaf.branch_point]).endswith(result("42"))]
+    assert forked, texts  # a branch that made the second call itself, in its own session
+    # the fork's print(x + 1) ran in the copy restored from root 1's checkpoint, or, when
+    # root 1 ran the same call first, was served the result cached for that same history
+    assert stats["testsrv_slow.calls"] == 1, stats
+    assert stats.get("python.session_forks", 0) + stats["python.cache_hits"] >= 1, stats
+    assert stats["python.session_closed_finished"] == stats["python.session_opened"]
+    assert stats["python.session_live"] == 0

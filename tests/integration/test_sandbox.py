@@ -1,7 +1,10 @@
 """The Python tool in the real bubblewrap sandbox: correct answers for honest code, and
 hostile snippets contained within their time bound with the host left unchanged; every
-test runs twice, with a cold sandbox per call (pool 0) and with warm sandboxes (pool 2).
-No call sees another's files, variables, processes or environment, earlier or at once."""
+test runs three times: with a cold sandbox per call (pool 0), with warm sandboxes (pool 2)
+and in session mode (tools.python_state=session: each snippet in a session of its own, on
+session sandboxes from a pool of 2). No call sees another's files, variables, processes or
+environment, earlier or at once; in session mode neither does a fork of a session see its
+sibling's later state."""
 
 from __future__ import annotations
 
@@ -28,8 +31,36 @@ SLACK_S = 2.0  # process start-up and kill on a busy 2-core machine
 
 
 
-@pytest.fixture(scope="module", params=[0, 2], ids=["cold", "pool"])
-def pool(request) -> int:
+class SessionPerCall:
+    """A session-mode tool that runs each call in a new session of its own, closed after
+    it: the hostile snippets meet session sandboxes (their keeper, holder and forked
+    executor) exactly as they meet one-shot sandboxes."""
+
+    def __init__(self, tool: PythonTool):
+        self.tool, self.sandbox, self.warnings, self.pool = (tool, tool.sandbox,
+                                                             tool.warnings, None)
+
+    async def call(self, code: str):
+        session = self.tool.open_session()
+        try:
+            return await self.tool.call_in(session, code)
+        finally:
+            session.close()
+            await self.tool.sessions.stopped()
+
+    async def close(self) -> None:
+        await self.tool.close()
+
+
+def make(mode: str, **kwargs) -> PythonTool | SessionPerCall:
+    """The tool of a mode: cold (pool 0), pool (2 warm sandboxes) or session."""
+    if mode == "session":
+        return SessionPerCall(PythonTool(pool=2, state="session", **kwargs))
+    return PythonTool(pool=2 if mode == "pool" else 0, **kwargs)
+
+
+@pytest.fixture(scope="module", params=["cold", "pool", "session"])
+def pool(request) -> str:
     return request.param
 
 
@@ -37,11 +68,13 @@ def pool(request) -> int:
 def tool(pool) -> Iterator[PythonTool]:
     if shutil.which("bwrap") is None:
         pytest.skip("bubblewrap (bwrap) is not installed")
-    made = PythonTool(cpu_s=2, memory_mb=256, max_procs=16, max_output=2000,
-                      wall_timeout_s=WALL_S, pool=pool)
+    made = make(pool, cpu_s=2, memory_mb=256, max_procs=16, max_output=2000,
+                wall_timeout_s=WALL_S)
     yield made
     if made.pool is not None:
         made.pool.discard()
+    if isinstance(made, SessionPerCall):
+        asyncio.run(made.close())
 
 
 async def _run_all(tool: PythonTool, snippets: list[str]):
@@ -76,10 +109,11 @@ async def test_honest_code(pool):
     # eight other calls must not race a 2.5 s limit on a busy machine.
     if shutil.which("bwrap") is None:
         pytest.skip("bubblewrap (bwrap) is not installed")
-    tool = PythonTool(cpu_s=10, memory_mb=256, max_procs=16, max_output=2000,
-                      wall_timeout_s=60, pool=pool)
+    tool = make(pool, cpu_s=10, memory_mb=256, max_procs=16, max_output=2000,
+                wall_timeout_s=60)
     snippets = ["print(6*7)", "6*7", "x = 'abc'\nx", "None", "import math\nmath.factorial(20)",
-                "def f(n):\n    return 1 / n\nf(0)", "print('partial')\nraise ValueError('bad input')",
+                "def f(n):\n    return 1 / n\nf(0)",
+                "print('partial')\nraise ValueError('bad input')",
                 "print(", "import sympy\nsympy.simplify('(x**2 - 1)/(x - 1)')"]
     results = [r for r, _ in await _run_all(tool, snippets)]
     texts = [r.text for r in results]
@@ -183,7 +217,7 @@ async def test_resource_bombs_are_contained(tool):
                "        n += 1\nexcept OSError as e:\n    print('limit', n, type(e).__name__)")
     bombs["nproc_a"] = bombs["nproc_b"] = counted
     results = dict(zip(bombs, await _run_all(tool, list(bombs.values()))))
-    for name, (result, elapsed) in results.items():
+    for name, (_, elapsed) in results.items():
         assert elapsed < WALL_S + SLACK_S, (name, elapsed)
     fork, _ = results["fork"]
     assert not fork.ok and fork.error in ("timeout", "killed")
@@ -261,8 +295,8 @@ async def test_unprivileged_user_namespace_mode(pool):
     if not os.path.exists(python):
         pytest.skip("needs a system python readable by any user")
     try:
-        tool = PythonTool(cpu_s=2, memory_mb=256, max_procs=8, wall_timeout_s=WALL_S,
-                          python=python, isolation="userns", pool=pool)
+        tool = make(pool, cpu_s=2, memory_mb=256, max_procs=8, wall_timeout_s=WALL_S,
+                    python=python, isolation="userns")
     except RuntimeError as err:
         pytest.skip(f"unprivileged user namespaces unavailable here: {err}")
     assert tool.sandbox.mode == "userns" and tool.warnings == []
@@ -284,8 +318,10 @@ async def test_runner_with_the_real_tool(tmp_path, pool):
     from arpo_async.core.config import ToolsConfig
     from toolenv.runner import build_tools
 
+    if pool == "session":
+        pytest.skip("the runner in session mode: tests/integration/test_python_session.py")
     cfg = ToolsConfig(enabled=["python"], timeout_s=2.0, python_max_output=100,
-                      python_pool=pool)
+                      python_pool=2 if pool == "pool" else 0)
     runner = build_tools(cfg, tmp_path)
     first, again = [await runner.call("python", "print(6*7)\n") for _ in range(2)]
     slow = await runner.call("python", "import time\ntime.sleep(30)")
@@ -297,8 +333,8 @@ async def test_runner_with_the_real_tool(tmp_path, pool):
     stats = runner.stats()
     assert (stats["calls"], stats["cache_hits"], stats["timeouts"]) == (3, 1, 1)
     assert stats["python.latency_p99_s"] >= stats["python.latency_p50_s"] > 0
-    assert ("python.pool_taken" in stats) == (pool > 0)
-    if pool:  # two calls ran the tool, each in its own warm sandbox
+    assert ("python.pool_taken" in stats) == (pool == "pool")
+    if pool == "pool":  # two calls ran the tool, each in its own warm sandbox
         assert stats["python.pool_taken"] == 2 and stats["python.pool_failed"] == 0
     await runner.close()
 
@@ -307,9 +343,9 @@ async def test_without_bwrap(monkeypatch, caplog, pool):
     """No bubblewrap: refuse, unless explicitly allowed, then warn loudly and still limit."""
     monkeypatch.setattr("toolenv.python_tool.shutil.which", lambda name: None)
     with pytest.raises(RuntimeError, match="bubblewrap .bwrap. is not installed"):
-        PythonTool(pool=pool)
+        make(pool)
     with caplog.at_level("WARNING"):
-        tool = PythonTool(wall_timeout_s=WALL_S, cpu_s=2, allow_unsandboxed=True, pool=pool)
+        tool = make(pool, wall_timeout_s=WALL_S, cpu_s=2, allow_unsandboxed=True)
     assert tool.sandbox.mode == "none"
     assert any("UNSANDBOXED" in r.getMessage() for r in caplog.records)
     (ok, _), (slow, slow_s), (mem, _) = await _run_all(
@@ -371,7 +407,7 @@ async def test_calls_cannot_see_each_other(pool):
     if shutil.which("bwrap") is None:
         pytest.skip("bubblewrap (bwrap) is not installed")
     # A long wall limit: the running call must outlive the looking call, whatever the load.
-    tool = PythonTool(cpu_s=2, memory_mb=256, max_procs=16, wall_timeout_s=120, pool=pool)
+    tool = make(pool, cpu_s=2, memory_mb=256, max_procs=16, wall_timeout_s=120)
     try:
         for stay in (0, 100):  # earlier, then at once
             marker, port = uuid.uuid4().hex, 20000 + uuid.uuid4().int % 20000
@@ -386,12 +422,58 @@ async def test_calls_cannot_see_each_other(pool):
             look = await tool.call(_LOOK.format(marker=marker, port=port))
             assert look.ok, look.text
             seen = json.loads(look.text)
-            assert seen["found"] == [] and seen["pids"] <= 3, seen  # only its own processes
+            # only its own processes: init, the snippet and (warm) its waiting parent, or
+            # (session) the keeper, the holder and the snippet's executor
+            assert seen["found"] == [] and seen["pids"] <= (4 if pool == "session" else 3), seen
             if stay:
                 assert not leak.done() and _procs_with(marker), "the leaking call ended early"
                 leak.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await leak
             assert _procs_with(marker) == []
+    finally:
+        await tool.close()
+
+
+async def test_forked_sessions_cannot_see_each_other():
+    """Session mode: a session and its fork share what was there at the fork, and nothing
+    either does after it. One branch leaves traces everywhere and stays alive while the
+    other looks (and the other way round, after the first finished); neither finds any,
+    and a third, unrelated session finds none either."""
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap (bwrap) is not installed")
+    tool = PythonTool(cpu_s=2, memory_mb=256, max_procs=16, wall_timeout_s=120, pool=2,
+                      state="session")
+    parent = tool.open_session()
+    try:
+        assert (await tool.call_in(parent, "shared = 'before the fork'")).ok
+        child = await parent.fork()
+        other = tool.open_session()
+        for leaker, looker in ((parent, child), (child, parent), (child, other)):
+            marker, port = uuid.uuid4().hex, 20000 + uuid.uuid4().int % 20000
+            stay = 100 if looker is child else 0
+            leak = asyncio.ensure_future(tool.call_in(leaker, _LEAK.format(
+                marker=marker, port=port, stay=stay)))
+            if stay:
+                while not _procs_with(marker):
+                    assert not leak.done(), leak.result().text
+                    await asyncio.sleep(0.05)
+            else:
+                assert (await leak).text == "leaked", leak.result().text
+            look = await tool.call_in(looker, _LOOK.format(marker=marker, port=port))
+            assert look.ok, look.text
+            assert json.loads(look.text)["found"] == [], look.text
+            if stay:
+                assert not leak.done() and _procs_with(marker)
+                leak.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await leak
+                assert _procs_with(marker) == []  # the cancelled call took its sandbox down
+        seen = await tool.call_in(child, "print(shared)")
+        assert seen.text == "before the fork"  # the child's copy, from the checkpoint
+        stats = tool.stats()
+        # the parent's sandbox died with its cancelled call, and was rebuilt by replay
+        assert stats["session_forks"] == 1 and stats["session_lost"] == 1, stats
+        assert stats["session_replays"] == 1, stats
     finally:
         await tool.close()

@@ -89,24 +89,36 @@ def test_tool_tokens_are_masked_and_model_tokens_are_not(suite, tokenizer):
         tokenizer.encode(tool_seg, add_special_tokens=False)
 
 
-def test_loss_ignores_tool_targets(suite, tokenizer):
-    data = load_traces(suite / "sft.jsonl", tokenizer, 512)[:2]
+def test_loss_is_the_mean_over_model_targets_without_full_logits(suite, tokenizer, base_model):
+    """The chunked loss equals the masked mean of the full-vocabulary cross-entropy, tool
+    targets excluded, in value and gradient; a tool target that becomes a model target
+    changes it."""
+    from transformers import AutoModelForCausalLM
+
     from arpo_async.jobs.sft import collate
 
+    data = load_traces(suite / "sft.jsonl", tokenizer, 512)[:2]
     ids, mask = collate(data, tokenizer.pad_token_id)
-    logits = torch.randn(*ids.shape, 50)
-    ids = ids.clamp_max(49)
-    base, _ = masked_lm_loss(logits, ids, mask)
-    tool_pos = ((mask[:, 1:] == 0) & (torch.arange(ids.shape[1] - 1) > 60)).nonzero()
-    model_pos = (mask[:, 1:] == 1).nonzero()
-    assert len(tool_pos) and len(model_pos)
-    bumped = logits.clone()
-    for b, t in tool_pos.tolist():
-        bumped[b, t] += 10 * torch.randn(50)  # position t predicts target t + 1
-    assert torch.allclose(masked_lm_loss(bumped, ids, mask)[0], base)
-    b, t = model_pos[0].tolist()
-    bumped[b, t] += 10 * torch.randn(50)
-    assert not torch.allclose(masked_lm_loss(bumped, ids, mask)[0], base)
+    model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+    loss, m = masked_lm_loss(model, ids, mask, chunk=16)
+    loss.backward()
+    grad = model.get_output_embeddings().weight.grad.clone()
+    model.zero_grad()
+    logp = torch.log_softmax(model(input_ids=ids).logits[:, :-1].float(), -1)
+    nll = -logp.gather(-1, ids[:, 1:, None])[..., 0]
+    weight = mask[:, 1:]
+    ref = (nll * weight).sum() / weight.sum()
+    ref.backward()
+    assert torch.allclose(loss, ref, atol=1e-6) and m["tokens"] == float(weight.sum())
+    assert torch.allclose(grad, model.get_output_embeddings().weight.grad, atol=1e-7)
+    hits = ((logp.argmax(-1) == ids[:, 1:]).float() * weight).sum() / weight.sum()
+    assert m["accuracy"] == pytest.approx(float(hits))
+    tool = ((mask[:, 1:] == 0) & (torch.arange(ids.shape[1] - 1) > 60)).nonzero()
+    assert len(tool)
+    more = mask.clone()
+    more[tool[0, 0], tool[0, 1] + 1] = 1
+    with torch.no_grad():
+        assert not torch.allclose(masked_lm_loss(model, ids, more)[0], loss)
 
 
 def test_short_sft_lowers_model_token_loss_and_saves_a_checkpoint(sft_run, base_model, suite,

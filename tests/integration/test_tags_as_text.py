@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from arpo_async.core.config import config_from_dict
+from tests.integration.scripted_law import Law, scripted_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -33,57 +34,22 @@ QUESTION = "What is 13*6?"
 M, N = 4, 2
 
 
-def _script(tok) -> dict[int, dict[int, float]]:
-    """Successor logits of each scripted token (anything else: 0)."""
+def _law(tok) -> Law:
     from toolenv.tags import format_result
 
-    def ids(text: str) -> list[int]:
-        return tok.encode(text, add_special_tokens=False)
-
+    law = Law(tok)
     prompt = tok.apply_chat_template([{"role": "user", "content": QUESTION}],
                                      add_generation_prompt=True, tokenize=True, return_dict=False)
-    law: dict[int, dict[int, float]] = {}
-
-    def chain(seq: list[int]) -> None:
-        for a, b in zip(seq, seq[1:]):
-            assert law.setdefault(a, {b: 25.0}) == {b: 25.0}, tok.decode([a])  # one successor
-
     head, tail = ROUND1.split("{w}")
-    word = {ids(w)[0]: v for w, v in CHOICES.items()}
-    assert all(len(ids(w)) == 1 for w in CHOICES)
-    chain([prompt[-1], *ids(head)])
-    law[ids(head)[-1]] = word
+    word = {law.ids(w)[0]: v for w, v in CHOICES.items()}
+    assert all(len(law.ids(w)) == 1 for w in CHOICES)
+    law.chain([prompt[-1], *law.ids(head)])
+    law.choose(law.ids(head)[-1], word)
     for w in word:
-        chain([w, *ids(tail)])  # a round's last token gets no successor: the round stops
-    result_end = ids(format_result("78")[1:])[-1]
-    chain([result_end, *ids(ROUND2)])
+        law.chain([w, *law.ids(tail)])  # a round's last token gets no successor: it stops
+    result_end = law.ids(format_result("78")[1:])[-1]
+    law.chain([result_end, *law.ids(ROUND2)])
     return law
-
-
-def _scripted_model(base, out, tok):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    law = _script(tok)
-    hidden = model.config.hidden_size
-    assert len(law) < hidden
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        emb, head = model.model.embed_tokens.weight, model.lm_head.weight
-        emb.zero_()
-        emb[:, 0] = 1.0  # unscripted tokens: slot 0, a uniform law
-        head.zero_()
-        model.model.norm.weight.fill_(1.0)
-        for slot, (token, successors) in enumerate(law.items(), start=1):
-            emb[token] = 0.0
-            emb[token, slot] = 1.0
-            for nxt, logit in successors.items():  # the final RMSNorm scales e_k to sqrt(H)
-                head[nxt, slot] = logit / hidden ** 0.5
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return model.eval()
 
 
 async def test_a_tool_call_ending_inside_a_merged_token(tags_as_text_model_dir, tmp_path):
@@ -98,7 +64,7 @@ async def test_a_tool_call_ending_inside_a_merged_token(tags_as_text_model_dir, 
     from toolenv.tasks.prompts import Prompt, PromptSource
 
     tok = AutoTokenizer.from_pretrained(tags_as_text_model_dir)
-    model = _scripted_model(tags_as_text_model_dir, tmp_path / "scripted", tok)
+    model = scripted_model(tags_as_text_model_dir, tmp_path / "scripted", tok, _law(tok))
     cfg = config_from_dict({
         "run": {"dir": str(tmp_path / "run"), "seed": 1},
         "sampling": {"max_new_tokens": 48, "max_response_tokens": 160},

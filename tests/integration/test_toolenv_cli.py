@@ -42,6 +42,24 @@ def test_call_python():
     assert failed.returncode == 1 and failed.stdout == ""
 
 
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")
+def test_call_python_in_a_session_that_forks():
+    out = toolenv("call", "python", "--session", "x = 41", "x += 1; x", "x * 2",
+                  "--fork-after", "2", "--child", "x -= 2; x", "x * 2")
+    assert out.returncode == 0, out.stderr
+    # the state persists from call to call; the fork starts from 42 and goes its own way
+    assert out.stdout.splitlines() == [
+        "[root 1]", "[root 2]", "42", "-- forked after call 2", "[root 3]", "84",
+        "[child 3]", "40", "[child 4]", "80",
+        "-- forks=1 replays=0 fork_fallbacks=0 replayed_calls=0"], out.stdout
+    replayed = toolenv("call", "python", "--session", "y = 1", "--fork-after", "1",
+                       "--child", "y + 1", "--replay")
+    assert replayed.stdout.splitlines()[-3:] == [
+        "[child 2]", "2", "-- forks=0 replays=1 fork_fallbacks=1 replayed_calls=1"]
+    wrong = toolenv("call", "python", "a", "b")
+    assert wrong.returncode == 2 and "need --session" in wrong.stderr
+
+
 def test_call_search(tmp_path):
     corpus = tmp_path / "c.jsonl"
     corpus.write_text(json.dumps({"id": "a", "contents": "Danube\nThe Danube flows to the "

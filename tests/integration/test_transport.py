@@ -457,6 +457,9 @@ async def test_curve_admits_the_listed_client_and_shuts_out_the_rest(tmp_path):
         assert rx.received == 1 and weights.served == {1: 1}
         await tx.send(make_group(2))  # the authorised actor is unaffected
         assert (await asyncio.to_thread(rx.recv, 5.0)).group_id == "g2"
+        # the peers without any keys never reached ZAP: counted by the handshake watch
+        assert rx.rejected["handshake_failed"] >= 1, rx.rejected
+        assert server.rejected["handshake_failed"] >= 1, server.rejected
 
 
 async def test_wrong_reply_kinds_are_errors_and_no_weights_is_none():

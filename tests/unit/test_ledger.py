@@ -26,6 +26,20 @@ def _round_trip(state: dict) -> dict:
 # ----------------------------------------------------------------------------- hand cases
 
 
+def test_actors_that_never_said_bye_are_named_with_their_host_and_counts():
+    led = Ledger()
+    led.hello(0, pid=11, version=0, host="node-a")
+    led.hello(1, pid=12, version=0, host="node-b")
+    led.actor(0).last_seen, led.actor(1).last_seen = 100.0, 130.0
+    led.heartbeat(0, 1, {"pid": 11, "groups_sent": 5.0})
+    led.receive(0, 11.0)
+    led.bye(1, 0, {"pid": 12})
+    assert led.not_back(now=150.0) == [{"actor": 0, "host": "node-a", "silent_s": 50.0,
+                                        "said_sent": 5, "received": 1}]
+    led.hello(0, pid=11, version=1)  # a Hello without a host keeps the one it had
+    assert led.actor(0).host == "node-a"
+
+
 def test_one_actor_by_hand():
     led = Ledger()
     assert led.hello(0, pid=11, version=0) == ("new", 0)
@@ -225,7 +239,8 @@ class Sim:
     own counts to check the ledger against: columns per actor (``expect``), what a
     surviving ledger heard (``heard``), what was truly lost, and every ticket's fate
     (id -> [actor, pid, state, delivered]; state "live", "void" (released at a restart,
-    reconnect or silence), "dropped" (its group dropped, releasing it) or "foreign")."""
+    reconnect or silence), "adopted" (void, but its group arrived in time to be trained:
+    it holds capacity again), "dropped" (its group dropped, releasing it) or "foreign")."""
 
     def __init__(self, n_actors: int, fifo: bool = False):
         self.actors = [SimActor(pid=100 + i) for i in range(n_actors)]
@@ -324,6 +339,9 @@ class Sim:
         keep, why = self.filter.check(self.version, min_version)
         if keep:
             self.buffer.append(i)
+            if not ticketed:  # as the service does: a trained group holds capacity
+                self.admission.adopt(1)
+                self.tickets[ticket][2] = "adopted"
             return
         self.expect[i][why] += 1
         self.ledger.drop(i, why)
@@ -334,8 +352,9 @@ class Sim:
 
     def expected_started(self) -> int:
         """What admission should count: the restored baseline, and every ticket of this
-        learner neither voided nor given back by a dropped group."""
-        return self.baseline + sum(t[2] == "live" for t in self.tickets.values())
+        learner neither voided (unless its group was trained) nor given back by a dropped
+        group."""
+        return self.baseline + sum(t[2] in ("live", "adopted") for t in self.tickets.values())
 
     def _step(self) -> None:
         if not self.buffer:

@@ -124,6 +124,13 @@ def test_run_child_restarts_a_crashing_actor_then_gives_up(tmp_path):
     assert run_child([sys.executable, "-c", "pass"], {}, max_restarts=0) == 0
 
 
+def test_run_child_does_not_restart_an_actor_whose_learner_is_gone(tmp_path):
+    marker = tmp_path / "runs"
+    code = f"import sys; open({str(marker)!r}, 'a').write('x'); sys.exit(69)"
+    assert run_child([sys.executable, "-c", code], {}, max_restarts=3, backoff_s=0.01) == 69
+    assert marker.read_text() == "x"  # once: a restart would wait for the learner again
+
+
 def test_saved_local_config_loads_back(tmp_path):
     from arpo_async.core.config import load_config
 

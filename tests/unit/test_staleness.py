@@ -46,6 +46,20 @@ def test_admission_stale_weights_hand_case():
     assert adm.counters()["actor_ahead"] == 1
 
 
+def test_a_group_trained_after_its_ticket_was_released_holds_capacity_again():
+    # an actor holds 4 tickets (the whole window), goes silent: they are released; then
+    # its groups arrive fresh and are trained: without adopt() 4 more could start now,
+    # and every later step would admit 4 groups beyond what it can train fresh
+    adm = Admission(batch_groups=2, max_staleness=1)
+    assert adm.grant(4, 0, 0) == (4, "")
+    adm.release(4, "actor_silent")
+    adm.adopt(4)
+    assert adm.started == 4 and adm.grant(1, 0, 0)[0] == 0
+    assert adm.counters()["adopted"] == 4.0
+    with pytest.raises(ValueError):
+        adm.adopt(-1)
+
+
 def test_admission_rejects_bad_calls():
     with pytest.raises(ValueError, match="batch_groups"):
         Admission(0, 1)

@@ -54,7 +54,7 @@ class PromptSource:
         self.items = self._load()
         from toolenv.syntax import build_syntax
 
-        self.syntax = build_syntax(cfg.tools, tokenizer)
+        self.syntax = build_syntax(cfg.tools, tokenizer, cfg.model.chat_template_kwargs)
         self.order = self.rng.permutation(len(self.items))
         self.pos = 0
         self.epoch = 0  # permutations used up: position = epoch * len(items) + pos
@@ -91,9 +91,16 @@ class PromptSource:
 
     @property
     def max_tokens(self) -> int:
-        """The longest prompt a rollout can take: ``sampling.max_prompt_tokens``, or without
-        one, one token short of ``model.max_model_len`` (room for at least one new token)."""
-        return self.cfg.sampling.max_prompt_tokens or self.cfg.model.max_model_len - 1
+        """The longest prompt a rollout takes: ``sampling.max_prompt_tokens`` when set;
+        else, with ``sampling.on_overflow = skip``, what leaves room for the whole
+        response budget (``model.max_model_len - sampling.max_response_tokens``); else one
+        token short of ``model.max_model_len`` (room for at least one new token)."""
+        s = self.cfg.sampling
+        if s.max_prompt_tokens:
+            return s.max_prompt_tokens
+        if s.on_overflow == "skip":
+            return self.cfg.model.max_model_len - s.max_response_tokens
+        return self.cfg.model.max_model_len - 1
 
     def too_long(self, prompt: Prompt) -> bool:
         """Encodes ``prompt`` when needed; True when it exceeds ``max_tokens``."""
@@ -150,16 +157,19 @@ class PromptSource:
 def encode_prompt(tokenizer, system: str | None, question: str, syntax=None) -> list[int]:
     """The chat-templated prompt ids with the generation prompt. With a syntax, the tools
     reach the prompt its way (``ToolSyntax.prompt``: hermes through the template's
-    ``tools=``, or Qwen's tools block in the system prompt for a template without one)."""
-    tools = None
+    ``tools=``, or Qwen's tools block in the system prompt for a template without one) and
+    its chat-template arguments (``model.chat_template_kwargs``: Qwen3's
+    ``enable_thinking``)."""
+    tools, extra = None, {}
     if syntax is not None:
+        extra = syntax.template_kwargs
         if syntax.name == "hermes" and system == _suite_system():
             system = HERMES_SUITE_SYSTEM
         system, tools = syntax.prompt(system)
     messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": question})
     ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True,
-                                        add_generation_prompt=True)
+                                        add_generation_prompt=True, **extra)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return [int(t) for t in ids]

@@ -27,12 +27,18 @@ from arpo_async.core.config.base import ConfigError, _Section
 from arpo_async.core.config.cluster import ClusterConfig, RemoteActorsConfig, TransportConfig
 from arpo_async.core.config.learner import LearnerConfig, LossConfig
 from arpo_async.core.config.run import MetricsConfig, ModelConfig, PipelineConfig, RunConfig
-from arpo_async.core.config.tools import TaskConfig, ToolsConfig
+from arpo_async.core.config.tools import (
+    McpHttpServer,
+    McpStdioServer,
+    TaskConfig,
+    ToolsConfig,
+)
 from arpo_async.core.files import atomic_write_text
 
 __all__ = [
     "ActorsConfig", "ClusterConfig", "Config", "ConfigError", "LearnerConfig", "LossConfig",
-    "MetricsConfig", "ModelConfig", "PipelineConfig", "RemoteActorsConfig", "RolloutConfig",
+    "McpHttpServer", "McpStdioServer", "MetricsConfig", "ModelConfig", "PipelineConfig",
+    "RemoteActorsConfig", "RolloutConfig",
     "RunConfig", "SamplingConfig", "SimConfig", "TaskConfig", "ToolsConfig",
     "TransportConfig", "config_from_dict", "describe", "load_config", "save_config",
     "total_actors", "CONFIG_DIR", "DEFAULT_CONFIG", "SPINE_CONFIG",

@@ -69,6 +69,11 @@ class SamplingConfig(_Section):
     max_prompt_tokens: int = Field(0, ge=0, description="skip longer prompts, tokens (0: no limit)")
     max_new_tokens: int = Field(64, description="tokens per generation round")
     max_response_tokens: int = Field(256, description="model + tool tokens per trajectory")
+    on_overflow: Literal["refuse", "skip", "cap"] = Field(
+        "refuse", description="a prompt whose tokens + max_response_tokens exceed "
+        "model.max_model_len: refuse the run at start (naming the numbers), skip such "
+        "prompts (counted), or cap: run them, and a trajectory that fills max_model_len "
+        "ends as length (counted)")
     logprobs_topk: int = Field(20, description="top-k log-probs returned per token for entropy")
     topk_window_only: bool = Field(
         True, description="ask for top-k log-probs over a round's first rollout.entropy_window "

@@ -19,8 +19,8 @@ class TransportConfig(_Section):
     max_message_mb: float = Field(256.0, description="largest accepted message, MiB")
     timeout_s: float = Field(30.0, description="request timeout, seconds")
     connect_timeout_s: float = Field(
-        900.0, description="how long an actor waits for the learner to come up, seconds"
-    )
+        900.0, description="how long an actor waits for an answer from the learner, at start "
+        "or after its host vanished, seconds; then the actor stops (exit code 69)")
     insecure: bool = Field(False, description="allow a non-loopback bind without CurveZMQ keys")
 
 

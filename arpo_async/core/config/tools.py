@@ -1,12 +1,16 @@
-"""The task and tool sections: ``task`` (prompt source) and ``tools``."""
+"""The task and tool sections: ``task`` (prompt source) and ``tools`` (with its MCP
+server entries, ``tools.mcp``)."""
 
 from __future__ import annotations
 
-from typing import Literal
+import re
+from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, field_validator
 
 from arpo_async.core.config.base import _Section
+
+_SERVER_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")  # the prefix of its tools' names (tags)
 
 
 class TaskConfig(_Section):
@@ -20,6 +24,54 @@ class TaskConfig(_Section):
     )
     seed: int = Field(0, description="seed of the generated task")
     num_prompts: int = Field(2000, description="prompts generated for built-in tasks")
+
+
+class McpStdioServer(_Section):
+    """An MCP server started as a child process of each actor, spoken to over stdio."""
+
+    name: str = Field(description="server name: its tools are offered as <name>_<tool>")
+    command: str = Field(description="executable that starts the server (PATH is searched)")
+    args: list[str] = Field(default_factory=list, description="its command-line arguments")
+    env: dict[str, str] = Field(
+        default_factory=dict, description="environment variables added to the MCP SDK's "
+        "minimal default environment (HOME, PATH, USER, ...), name to value")
+
+
+class McpHttpServer(_Section):
+    """A running MCP server reached over streamable HTTP."""
+
+    name: str = Field(description="server name: its tools are offered as <name>_<tool>")
+    url: str = Field(description="the server's MCP endpoint, e.g. http://127.0.0.1:8000/mcp")
+
+
+def _mcp_entries(entries: Any) -> list[McpStdioServer | McpHttpServer]:
+    """Each entry typed by its keys (command: stdio, url: http), errors naming
+    ``tools.mcp[i]``; server names unique and usable as tag prefixes."""
+    if not isinstance(entries, list):
+        raise ValueError(f"expected a list of servers, got {entries!r}")
+    out, seen = [], set()
+    for i, entry in enumerate(entries):
+        where = f"tools.mcp[{i}]"
+        if isinstance(entry, (McpStdioServer, McpHttpServer)):
+            entry = entry.model_dump()
+        if not isinstance(entry, dict) or ("command" in entry) == ("url" in entry):
+            raise ValueError(f"{where}: give either command (a stdio server) or url (an HTTP "
+                             f"server), got {entry!r}")
+        kind = McpStdioServer if "command" in entry else McpHttpServer
+        try:
+            server = kind.model_validate(entry)
+        except ValidationError as err:
+            first = err.errors()[0]
+            key = ".".join(str(p) for p in first["loc"])
+            msg = "unknown key" if first["type"] == "extra_forbidden" else first["msg"]
+            raise ValueError(f"{where}.{key}: {msg}") from None
+        if not _SERVER_NAME.fullmatch(server.name):
+            raise ValueError(f"{where}.name: {server.name!r} must match {_SERVER_NAME.pattern}")
+        if server.name in seen:
+            raise ValueError(f"{where}.name: {server.name!r} is used by another server")
+        seen.add(server.name)
+        out.append(server)
+    return out
 
 
 class ToolsConfig(_Section):
@@ -49,6 +101,30 @@ class ToolsConfig(_Section):
     python_preload: list[str] = Field(
         default_factory=lambda: ["math"], description="modules each warm sandbox imports "
         "before its call, names (numpy ~0.1, sympy ~0.25 CPU-s per call, used or not)")
+    python_state: Literal["stateless", "session"] = Field(
+        "stateless", description="stateless: every python call runs in a fresh sandbox; "
+        "session: each trajectory keeps a live interpreter in a sandbox of its own, which a "
+        "fork of the trajectory copies (docs/design.md, 'Python sessions')")
+    python_max_sessions: int = Field(
+        32, ge=1, description="session mode: live session sandboxes per actor, count (each "
+        "a keeper and a holder, ~17 MiB RSS with math, mostly shared, and a uid); past it "
+        "the least recently used idle one is stopped (its state is replayed when used)")
+    python_session_idle_s: float = Field(
+        120.0, gt=0, description="session mode: seconds a session's sandbox may sit unused "
+        "before it is stopped (its state is replayed at its next call)")
+    python_checkpoint_mb: int = Field(
+        64, ge=1, description="session mode: largest fork checkpoint (namespace and /tmp "
+        "files), MiB; a bigger state is copied by replaying its calls instead")
+    mcp: list[McpStdioServer | McpHttpServer] = Field(
+        default_factory=list, description="MCP servers whose tools are offered: {name, "
+        "command, args, env} (stdio) or {name, url} (streamable HTTP); docs/tools.md")
+    mcp_connect_timeout_s: float = Field(
+        30.0, gt=0, description="seconds to start or reach an MCP server and list its tools")
+    mcp_restart_backoff_s: float = Field(
+        0.5, ge=0, description="seconds before reconnecting to (restarting) an MCP server "
+        "that died; doubles per failed attempt, at most tools.mcp_restart_max_s")
+    mcp_restart_max_s: float = Field(
+        30.0, ge=0, description="longest wait between reconnection attempts, seconds")
     retriever_url: str = Field("", description="retriever endpoint (POST /retrieve)")
     search_topk: int = Field(3, description="snippets per search")
     search_snippet_chars: int = Field(200, description="characters kept per snippet")
@@ -64,7 +140,12 @@ class ToolsConfig(_Section):
                 raise ValueError(f"tools.custom[{i}]={path}: expected module:Class")
         return paths
 
+    @field_validator("mcp", mode="before")
+    @classmethod
+    def _mcp_servers(cls, entries: Any) -> list[McpStdioServer | McpHttpServer]:
+        return _mcp_entries(entries)
+
     @property
     def offered(self) -> bool:
-        """Any tool offered (built-in or custom)?"""
-        return bool(self.enabled or self.custom)
+        """Any tool offered (built-in, custom or from an MCP server)?"""
+        return bool(self.enabled or self.custom or self.mcp)

@@ -115,6 +115,8 @@ class ControlServer:
         sock = self._bound.sock
         try:
             while not self._stop.is_set():
+                if self._bound.watch is not None:
+                    self._bound.watch.poll()
                 if not sock.poll(_POLL_MS, zmq.POLLIN):
                     continue
                 try:

@@ -15,6 +15,7 @@ import zmq.asyncio
 
 from arpo_async.core.keys import (
     ClientKeys,
+    HandshakeWatch,
     ServerKeys,
     configure_client,
     configure_server,
@@ -51,22 +52,28 @@ class Rejections:
     def denied(self, key: bytes) -> None:
         self.add("curve_denied", f"client key {key[:8]!r}...")
 
+    def keyless(self, event: int) -> None:
+        self.add("handshake_failed", f"monitor event {event}: a peer without CurveZMQ keys")
+
     def snapshot(self) -> dict[str, int]:
         with self.lock:
             return dict(self.counts)
 
 
 class BoundSocket:
-    """A bound server socket with its own context (and ZAP authenticator when curve)."""
+    """A bound server socket with its own context (with curve: a ZAP authenticator, and
+    ``watch``, which counts peers without keys when polled from the socket's thread)."""
 
     def __init__(self, kind: int, bind: str, max_bytes: int, curve: ServerKeys | None,
                  rejected: Rejections, **options: int):
         self.ctx = zmq.Context()
-        self.auth = None
+        self.auth = self.watch = None
         try:
             if curve is not None:
                 self.auth = start_authenticator(self.ctx, curve, rejected.denied)
             self.sock = self.ctx.socket(kind)
+            if curve is not None:
+                self.watch = HandshakeWatch(self.sock, rejected.keyless)
             self.sock.linger = 0
             self.sock.maxmsgsize = max_bytes * HARD_LIMIT
             for name, value in options.items():  # before bind: a listener copies them
@@ -80,6 +87,8 @@ class BoundSocket:
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def close(self) -> None:
+        if self.watch is not None:  # before term(), which waits for every socket
+            self.watch.close()
         if getattr(self, "sock", None) is not None and not self.sock.closed:
             self.sock.close(linger=0)
         if self.auth is not None:

@@ -44,6 +44,8 @@ class TrajectoryReceiver:
     def recv(self, timeout_s: float) -> TrajectoryGroup | None:
         """The next valid group, or None after ``timeout_s``; bad messages are skipped."""
         sock = self._bound.sock
+        if self._bound.watch is not None:
+            self._bound.watch.poll()
         deadline = time.monotonic() + timeout_s
         while True:
             wait_ms = max(0, int((deadline - time.monotonic()) * 1000))

@@ -1,0 +1,443 @@
+"""The program inside a Python session's sandbox (``tools.python_state=session``): it keeps
+one interpreter's state across calls, runs each call in a fork of it, and writes or loads
+checkpoints. The host side is toolenv/session_sandbox.py (the wire format) and
+toolenv/session.py (histories, forks, replays).
+
+Runs as ``python -s -u -c <this file's text> <settings JSON>``, so it imports only the
+standard library and cloudpickle: the project is hidden inside the sandbox.
+
+Processes. The first one (the *keeper*) is the pid namespace's init (bwrap --as-pid-1, so
+no call can kill it: init ignores signals it has no handler for); it imports the
+preloads, forks the *holder*, then only reaps; the sandbox lives as long as it does
+(without a sandbox, mode none, it is a child subreaper instead). The holder
+keeps the state (``state["scope"]``, the namespace the code runs in) and reads requests:
+
+- ``exec``: fork an *executor* that runs the code (its CPU clock starts at zero, so the
+  per-call CPU limit holds per call). When the code ends or raises, its changes are kept:
+  the executor forks the next holder (again with a fresh CPU clock) and the old holder and
+  the executor exit. When it is killed (CPU limit, a signal, ``os._exit``), the old holder
+  stays, with the state from before the call. Output goes to the pipe as it is written;
+  Python-level output past ``cap`` bytes stops the call there (``truncated``, an ok call
+  that keeps what it did, as a stateless call is stopped at the cap); a replay (``quiet``)
+  counts the same bytes without writing them, so it stops at the same point.
+- ``dump``: a forked process writes the checkpoint (cloudpickle of the namespace, functions
+  and classes of the session by value, modules by name; the files of its scratch folder
+  (/tmp) as a tar; the environment, cwd, cell sources and the random and numpy.random
+  states) into a pipe; the holder sends it on. Forked, so that a ``__reduce__`` of the
+  session's own cannot change the state it is copying.
+- ``load``: like exec, with a checkpoint instead of code: the namespace is restored into a
+  fresh holder of this (new, empty) sandbox.
+
+What a checkpoint does not carry: other modules' state (a module attribute set by a call),
+threads, open files and sockets (an object holding one does not pickle: the fork replays),
+processes started in the background, and /dev/shm.
+"""
+
+import ast
+import builtins
+import ctypes
+import io
+import json
+import linecache
+import os
+import pickle
+import select
+import signal
+import struct
+import sys
+import tarfile
+import traceback
+import types
+
+_SETTINGS = json.loads(sys.argv[1])
+_READY = _SETTINGS["ready"].encode("latin-1")
+_END = b"\x00arpo-end-"
+_PR_SET_CHILD_SUBREAPER = 36
+_CELL = "<cell {}>"
+_SKIP = {"__builtins__"}
+# The session's scratch folder, its cwd at start: /tmp in a sandbox, a temporary folder
+# of its own without one (mode none), never the host's /tmp.
+_SCRATCH = os.getcwd()
+_HANDOVER_WAIT_S = 1.0  # longest wait for the old holder to exit at a hand-over
+
+
+def _read_exact(n):
+    out = bytearray()
+    while len(out) < n:
+        chunk = os.read(0, n - len(out))
+        if not chunk:
+            os._exit(0)  # the host closed the session
+        out += chunk
+    return bytes(out)
+
+
+def _write_all(fd, data):
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _reply(nonce, status, payload=b""):
+    status = dict(status, n=len(payload))
+    _write_all(1, _END + nonce.encode() + b"\x00" + json.dumps(status).encode() + b"\n" + payload)
+
+
+class _OutputCut(BaseException):
+    """Raised inside a call's print once its output passes the cap: the call stops there,
+    as a stateless call is stopped at the cap, and keeps what it did so far."""
+
+
+class _Capped(io.RawIOBase):
+    """fd 1 behind a call's sys.stdout and sys.stderr: counts its output against the cap and
+    stops the call past it. ``quiet`` (a replay) counts the same but writes nothing, so a
+    replayed call stops where it stopped the first time."""
+
+    def __init__(self, budget, quiet):
+        self.budget, self.quiet = budget, quiet
+        self.cut = False
+
+    def writable(self):
+        return True
+
+    def write(self, data):
+        keep = min(len(data), max(self.budget, 0))
+        if keep and not self.quiet:
+            _write_all(1, bytes(data[:keep]))
+        self.budget -= keep
+        if keep < len(data):
+            self.cut = True
+            raise _OutputCut()
+        return len(data)
+
+    def say(self, text):
+        """Our own last words for the call (a traceback): within the cap, never raising."""
+        try:
+            self.write(text.encode("utf-8", "backslashreplace"))
+        except _OutputCut:
+            pass
+
+
+def _streams(cap, quiet):
+    raw = _Capped(cap, quiet)
+    for name in ("stdout", "stderr"):
+        setattr(sys, name, io.TextIOWrapper(raw, encoding="utf-8", errors="backslashreplace",
+                                            write_through=True))
+    return raw
+
+
+def _exit_code(code, raw):
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 255
+    raw.say(f"{code}\n")  # as the interpreter treats SystemExit("message")
+    return 1
+
+
+def _execute(state, code, cap, quiet):
+    cell = _CELL.format(state["cells"])
+    state["cells"] += 1
+    linecache.cache[cell] = (len(code), None, code.splitlines(True), cell)
+    state["sources"][cell] = code
+    raw = _streams(cap, quiet)
+    scope = state["scope"]
+    status = {"kind": "ok"}
+    try:
+        tree = ast.parse(code, cell)
+        last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+        exec(compile(tree, cell, "exec"), scope)
+        if last is not None:
+            exec(compile(ast.Interactive(body=[last]), cell, "single"), scope)
+    except _OutputCut:
+        pass  # stopped at the cap: an ok call whose output was cut
+    except SystemExit as exc:
+        status = {"kind": "exit", "code": _exit_code(exc.code, raw)}
+    except BaseException as exc:
+        if not raw.cut:  # else the cut, caught and re-raised as another error by the code
+            tb = exc.__traceback__
+            while tb is not None and not tb.tb_frame.f_code.co_filename.startswith("<cell "):
+                tb = tb.tb_next
+            raw.say("".join(traceback.format_exception(type(exc), exc, tb, limit=-8)))
+            status = {"kind": "exception"}
+    if raw.cut:
+        status["truncated"] = True
+    return status
+
+
+def _fork():
+    """os.fork for the session's own processes: the random module reseeds itself in a
+    forked child (os.register_at_fork), which would make every call a new random stream;
+    a session's calls continue one stream, as in a single interpreter."""
+    rnd = sys.modules.get("random")
+    saved = rnd.getstate() if rnd is not None else None
+    pid = os.fork()
+    if pid == 0 and saved is not None:
+        rnd.setstate(saved)
+    return pid
+
+
+def _wait_child(pid, r):
+    """(message from the child's pipe, exit status) once it wrote one byte or exited."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        while True:
+            ready, _, _ = select.select([r, pidfd], [], [])
+            if r in ready:
+                first = os.read(r, 1)
+                if first == b"H":
+                    return first, None
+                if first:  # a status follows, up to EOF
+                    rest = bytearray(first)
+                    while chunk := os.read(r, 65536):
+                        rest += chunk
+                    os.waitpid(pid, 0)
+                    return bytes(rest), None
+            if pidfd in ready:
+                os.set_blocking(r, False)
+                try:
+                    first = os.read(r, 1)
+                except BlockingIOError:
+                    first = b""
+                if first == b"H":
+                    return first, None
+                return b"", os.waitpid(pid, 0)[1]
+    finally:
+        os.close(pidfd)
+
+
+def _dead_status(wstatus):
+    if os.WIFSIGNALED(wstatus):
+        return {"kind": "killed", "signal": os.WTERMSIG(wstatus)}
+    return {"kind": "exit", "code": os.waitstatus_to_exitcode(wstatus) & 255, "lost": True}
+
+
+def _in_fork(state, nonce, work):
+    """Run ``work(state)`` in a fork of this holder. ``work`` returns (status, hand_over): on
+    hand_over the fork becomes the holder (through a fresh fork of its own, whose CPU clock
+    starts at zero) and this process exits; else this one stays, as it was."""
+    r, w = os.pipe()
+    pid = _fork()
+    if pid == 0:
+        os.close(r)
+        me, old_holder = os.getpid(), os.pidfd_open(os.getppid())
+        status, hand_over = work(state)
+        if os.getpid() != me:  # a process the call forked fell through: not ours to run
+            os._exit(0)
+        try:  # the old holder may be gone (the call killed it): this one goes on regardless
+            _write_all(w, b"H" if hand_over else b"F" + json.dumps(status).encode())
+        except OSError:
+            pass
+        if not hand_over:
+            os._exit(0)
+        os.close(w)
+        try:
+            holder = _fork() == 0
+        except OSError:
+            # No process slot: the call used every other one of the session's limit. The
+            # old holder's frees as it exits (a bounded wait: a call could have stopped it).
+            select.select([old_holder], [], [], _HANDOVER_WAIT_S)
+            try:
+                holder = _fork() == 0
+            except OSError:  # still none: this process holds the state, CPU clock and all
+                holder = True
+        os.close(old_holder)
+        if holder:
+            _reply(nonce, dict(status, kept=True))
+            return True
+        os._exit(0)
+    os.close(w)
+    message, wstatus = _wait_child(pid, r)
+    os.close(r)
+    if message == b"H":
+        os._exit(0)
+    _reply(nonce, json.loads(message[1:]) if message else _dead_status(wstatus))
+    return False
+
+
+def _main_scope():
+    return {"__name__": "__main__", "__builtins__": builtins}
+
+
+def _tmp_tar():
+    """The scratch folder's files as an uncompressed tar (b"" when it is empty)."""
+    names = sorted(os.listdir(_SCRATCH))
+    if not names:
+        return b""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name in names:
+            tar.add(os.path.join(_SCRATCH, name), arcname=name,
+                    filter=lambda t: t if (t.isreg() or t.isdir() or t.issym()) else None)
+    return buf.getvalue()
+
+
+def _checkpoint(state):
+    import cloudpickle
+
+    scope = state["scope"]
+    extra = {}
+    if "random" in sys.modules:
+        extra["random"] = sys.modules["random"].getstate()
+    if "numpy" in sys.modules:
+        extra["numpy"] = sys.modules["numpy"].random.get_state()
+    ns = {k: v for k, v in scope.items() if k not in _SKIP}
+    cwd = os.path.relpath(os.getcwd(), _SCRATCH)
+    return cloudpickle.dumps({"ns": ns, "env": dict(os.environ), "cwd": cwd,
+                              "cells": state["cells"], "sources": state["sources"],
+                              "extra": extra, "tmp": _tmp_tar()})
+
+
+def _dump(state, nonce, limit):
+    r, w = os.pipe()
+    pid = _fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            data = _checkpoint(state)
+            code = 0 if len(data) <= limit else 4
+            if code:
+                data = f"checkpoint of {len(data)} bytes passes the limit of {limit}".encode()
+        except BaseException as exc:
+            data, code = f"{type(exc).__name__}: {exc}".encode(), 3
+        _write_all(w, data)
+        os._exit(code)
+    os.close(w)
+    data = bytearray()
+    while chunk := os.read(r, 1 << 20):
+        data += chunk
+        if len(data) > limit + 4096:
+            os.kill(pid, signal.SIGKILL)
+            break
+    os.close(r)
+    wstatus = os.waitpid(pid, 0)[1]
+    if os.WIFEXITED(wstatus) and os.WEXITSTATUS(wstatus) == 0:
+        _reply(nonce, {"kind": "ok"}, bytes(data))
+    elif os.WIFEXITED(wstatus) and os.WEXITSTATUS(wstatus) in (3, 4):
+        _reply(nonce, {"kind": "error", "message": data.decode("utf-8", "replace")[-500:]})
+    else:
+        _reply(nonce, _dead_status(wstatus))
+
+
+def _find_globals(values, depth=3):
+    """The globals dict that cloudpickle gave the restored session functions (one, shared)."""
+    for value in values:
+        if (isinstance(value, types.FunctionType)
+                and value.__globals__.get("__name__") == "__main__"):
+            return value.__globals__
+        if depth and isinstance(value, type):
+            found = _find_globals(list(vars(value).values()), depth - 1)
+        elif depth and isinstance(value, (list, tuple, set, frozenset)):
+            found = _find_globals(list(value)[:1000], depth - 1)
+        elif depth and isinstance(value, dict):
+            found = _find_globals(list(value.values())[:1000], depth - 1)
+        else:
+            found = None
+        if found is not None:
+            return found
+    return None
+
+
+def _restore(state, payload):
+    ckpt = pickle.loads(payload)
+    ns = ckpt["ns"]
+    scope = _find_globals(list(ns.values()))
+    if scope is None:
+        scope = {}
+    scope.update(ns)
+    scope.update(_main_scope())
+    os.environ.clear()
+    os.environ.update(ckpt["env"])
+    if ckpt["tmp"]:  # "r:", not "r": probing for compressions costs milliseconds
+        with tarfile.open(fileobj=io.BytesIO(ckpt["tmp"]), mode="r:") as tar:
+            tar.extractall(_SCRATCH, filter="data")
+    cwd = os.path.normpath(os.path.join(_SCRATCH, ckpt["cwd"]))
+    if cwd.startswith(_SCRATCH) and os.path.isdir(cwd):
+        os.chdir(cwd)
+    extra = ckpt["extra"]
+    if "random" in extra:
+        __import__("random").setstate(extra["random"])
+    if "numpy" in extra:
+        __import__("numpy").random.set_state(extra["numpy"])
+    for cell, source in ckpt["sources"].items():
+        linecache.cache[cell] = (len(source), None, source.splitlines(True), cell)
+    state.update(scope=scope, cells=ckpt["cells"], sources=dict(ckpt["sources"]))
+
+
+def _exec_work(code, cap, quiet):
+    return lambda state: (_execute(state, code, cap, quiet), True)
+
+
+def _load_work(payload):
+    def load(state):
+        try:
+            _restore(state, payload)
+        except BaseException as exc:  # a checkpoint that does not load: the host replays
+            return {"kind": "error", "message": f"{type(exc).__name__}: {exc}"[:500]}, False
+        return {"kind": "ok"}, True
+
+    return load
+
+
+def _serve(state):
+    """The holder's loop: one request at a time, each answered before the next is read."""
+    while True:
+        (size,) = struct.unpack(">I", _read_exact(4))
+        head = json.loads(_read_exact(size))
+        payload = _read_exact(head["n"])
+        nonce, op = head["end"], head["op"]
+        if op == "exec":
+            code = payload.decode("utf-8", "replace")
+            _in_fork(state, nonce, _exec_work(code, head["cap"], head.get("quiet", False)))
+        elif op == "load":
+            _in_fork(state, nonce, _load_work(payload))
+        elif op == "dump":
+            _dump(state, nonce, head["max"])
+        else:
+            _reply(nonce, {"kind": "error", "message": f"unknown op {op!r}"})
+
+
+def _keep(host):
+    """The keeper's loop: reap every child; end the sandbox (as init, taking everything in
+    it along) when the host's end of the request pipe closes (the host stopped the session,
+    or died), or when no process is left."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    poller = select.poll()
+    poller.register(host, 0)  # a pipe's read end reports POLLHUP once no writer is left
+    poller.register(wake_r, select.POLLIN)
+    while True:
+        for fd, _ in poller.poll():
+            if fd == host:
+                os._exit(0)
+            os.read(wake_r, 4096)
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+        except ChildProcessError:
+            os._exit(0)
+
+
+def main():
+    ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # for mode none
+    for name in _SETTINGS.get("preload", []):
+        try:
+            __import__(name)
+        except Exception:
+            pass
+    host = os.dup(0)
+    pid = os.fork()
+    if pid == 0:
+        os.close(host)
+        os.write(1, _READY)
+        state = {"scope": _main_scope(), "cells": 1, "sources": {}}
+        _serve(state)
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    _keep(host)
+
+
+if __name__ == "__main__":
+    main()
