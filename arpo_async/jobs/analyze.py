@@ -21,10 +21,13 @@ with ``rollout.entropy_reduce``.
 ``exact``) and each ``rollout.short_round`` rule: the branch decisions the samples hold
 (dH = H of a round after a tool result - H of the trajectory's first round), against null
 decisions where the "after" window is sampled again from the same position as the
-"before" one, with no tool result in between: the first rounds of two samples of the same
-prompt (dH = H_first(j) - H_first(i)). For both it reports the share of P = alpha + beta *
-dH (the run's alpha, beta) outside [0.45, 0.55] and the variance of dH; signal/noise is
-var(dH real) / var(dH null). Near 1: the branching signal is mostly sampling noise.
+"before" one, with no tool result in between: for each real decision of sample i with an
+n-token post-tool round, the first round of every other sample j of the prompt cut to n
+tokens (dH = H_first(j)[:n] - H_first(i)), so that null and real compare windows of the
+same lengths (a short round's sum is lower by its length alone). For both it reports the
+share of P = alpha + beta * dH (the run's alpha, beta) outside [0.45, 0.55] and the
+variance of dH; signal/noise is var(dH real) / var(dH null). Near 1: the branching
+signal is mostly sampling noise.
 
 Writes ``RUN_DIR/analysis/entropy.json`` (keys ``before_tool``, ``after_tool``,
 ``first_round``, ``n_tool_calls``, ``by_round``, ``by_tool``, ``estimate``, ``null_test``,
@@ -244,27 +247,58 @@ def _decisions(dh: list[float], alpha: float, beta: float) -> dict:
             "p_std": float(p.std()), "outside_band": float(np.mean(np.abs(p - 0.5) > P_BAND))}
 
 
+def _by_prompt(leaves: list[dict]) -> list[list[dict]]:
+    """Records grouped by prompt (a prompt's samples are consecutive), each with rounds."""
+    groups: list[list[dict]] = []
+    for leaf in leaves:
+        rounds = rounds_of(leaf["mask"])
+        if not rounds:
+            continue
+        if not groups or groups[-1][0]["prompt"] != leaf["prompt"]:
+            groups.append([])
+        groups[-1].append({**leaf, "rounds": rounds})
+    return groups
+
+
+def _pairs(group: list[dict], est: str, rule: str, topk: int, vocab: int, window: int
+           ) -> tuple[list[float], list[float]]:
+    """(real dH, null dH) of one prompt's samples. Each real decision (a round after a tool
+    result, n tokens long, minus the sample's first round) has a null twin per other sample:
+    that sample's first round cut to the same n tokens, minus the same first round; so both
+    compare windows of the same lengths, with or without a tool result in between."""
+    def h(leaf, start, end):
+        return _round_values(leaf, start, end, est, topk, vocab, window, rule)
+
+    real, null = [], []
+    for i, leaf in enumerate(group):
+        (s0, e0), *after = leaf["rounds"]
+        if rule == "skip" and e0 - s0 < window:
+            continue
+        h_init = h(leaf, s0, e0)
+        for s, e in after:
+            n = e - s
+            if rule == "skip" and n < window:
+                continue
+            real.append(h(leaf, s, e) - h_init)
+            for j, other in enumerate(group):
+                if j != i:
+                    o0 = other["rounds"][0][0]
+                    null.append(h(other, o0, min(o0 + n, other["rounds"][0][1])) - h_init)
+    return real, null
+
+
 def null_test(leaves: list[dict], window: int, topk: int, vocab: int, alpha: float,
               beta: float) -> dict:
     """Real against null branch decisions for each estimator and short-round rule (module
     docstring). Leaves of one prompt are consecutive records with the same ``prompt``."""
-    out = {}
+    out, groups = {}, _by_prompt(leaves)
     for est in ("reference", "tail_corrected", "exact"):
         for rule in ("as_is", "scale", "skip"):
-            real, null, firsts, prompt = [], [], [], None
-            for leaf in leaves:
-                rounds = rounds_of(leaf["mask"])
-                if not rounds:
-                    continue
-                h = [_round_values(leaf, s, e, est, topk, vocab, window, rule) for s, e in rounds]
-                short = [e - s < window for s, e in rounds]
-                if leaf["prompt"] != prompt:
-                    firsts, prompt = [], leaf["prompt"]
-                if not (rule == "skip" and short[0]):
-                    null += [h[0] - h0 for h0 in firsts]
-                    firsts.append(h[0])
-                    real += [ht - h[0] for ht, sh in zip(h[1:], short[1:])
-                             if not (rule == "skip" and sh)]
+            real, null = [], []
+            for group in groups:
+                r, n = _pairs(group, est, rule, topk, vocab, window)
+                real += r
+                null += n
             row = {"real": _decisions(real, alpha, beta), "null": _decisions(null, alpha, beta)}
             var_null = row["null"].get("dh_var")
             row["signal_to_noise"] = (row["real"]["dh_var"] / var_null if var_null and
