@@ -21,9 +21,14 @@ overhang, and when the overhang is a prefix of the text to insert (``\n`` before
 trajectory reads call, result exactly as with single-token tags when the overhang is such
 a prefix, and call, overhang, result otherwise (the format rules judge that text).
 
-Entropy comes from the engine's top-k log-probs with the tail-corrected estimate
-(``arpo_async.core.entropy``), normalised by log V per token, and summed over the round's
-first k tokens (``rollout.entropy_reduce``).
+A round's entropy is ``arpo_async.core.entropy.round_entropy`` over its first k tokens
+with ``rollout.entropy_estimator`` (the authors' formula, the tail-corrected top-k
+estimate, or the exact entropy the engine computes), ``rollout.entropy_reduce`` and
+``rollout.short_round``. A round is bounded by the trajectory's remaining budget alone
+(``sampling.round_limit=budget``, as the authors' rollout asks each round for the whole
+remaining budget) or by ``sampling.max_new_tokens``, and always by what
+``model.max_model_len`` leaves: a context that fills it ends the trajectory as ``length``,
+counted (``rollout/context_full``), never the actor.
 
 Stateful tools (``tools.python_state=session``): each root trajectory opens its
 ``ToolState`` (``ToolRunner.open_state``) when it starts; a fork's child gets a copy of its
@@ -44,7 +49,7 @@ import numpy as np
 from actors.branching import BranchPlanner, BranchSettings, aepo_global_samples
 from actors.engines.base import ContextOverflow, GenerationEngine, GenRequest
 from actors.rollout import Occupancy, new_group_id
-from arpo_async.core.entropy import entropy_from_topk, window_entropy
+from arpo_async.core.entropy import round_entropy
 from arpo_async.core.protocol import Trajectory, TrajectoryGroup
 from toolenv.syntax import build_syntax
 from toolenv.tags import ToolCall
@@ -69,12 +74,15 @@ class _Path:
     overhang: str = ""  # text of the last round's last token past its stop string
     context_full: bool = False  # ended because prompt + tokens filled model.max_model_len
     state: Any = None  # its sessions in stateful tools (ToolRunner.open_state), or None
+    needs_h_init: bool = True  # its next round's entropy is its H_init (BranchPlanner)
 
-    def fork(self, tid: int) -> _Path:
-        """A fork shares everything up to and including the last tool result."""
+    def fork(self, tid: int, own_h_init: bool = False) -> _Path:
+        """A fork shares everything up to and including the last tool result; with
+        ``own_h_init`` its first round gives its H_init (rollout.fork_h_init=own)."""
         n = self.snapshot
         return _Path(tid, self.tokens[:n], self.mask[:n], self.logprobs[:n], self.versions[:n],
-                     self.tool_calls, branch_point=n, rounds=self.rounds - 1)
+                     self.tool_calls, branch_point=n, rounds=self.rounds - 1,
+                     needs_h_init=own_h_init)
 
 
 def split_at_stop(text: str, stop_reason: object) -> tuple[str, str]:
@@ -116,14 +124,18 @@ class AgentRollout:
         self.context_full = 0  # trajectories ended by model.max_model_len (all groups)
 
     # ------------------------------------------------------------------ one round
-    async def _round(self, prompt: Prompt, path: _Path, read: bool) -> tuple[str, float, str]:
-        """One round; ``read``: its window entropy is read (the first round of a global
-        sample, a round after the path's own tool result), so top-k log-probs are asked
-        for over the window only (``GenRequest.topk_window``), else not at all."""
+    async def _round(self, prompt: Prompt, path: _Path, read: bool
+                     ) -> tuple[str, float, bool, str]:
+        """One round: (text, entropy, shorter than the window, finish reason). ``read``:
+        its window entropy is read (a round that gives an H_init, a round after the path's
+        own tool result), so what the estimator needs is asked for over the window only
+        (``GenRequest.topk_window``), else not at all."""
         s = self.cfg.sampling
         budget = s.max_response_tokens - len(path.tokens)
         window = self.settings.entropy_window
+        exact = self.cfg.rollout.entropy_estimator == "exact"
         context = prompt.tokens + path.tokens
+        limit = budget if s.round_limit == "budget" else min(s.max_new_tokens, budget)
         # What max_model_len leaves: a context that fills it ends the trajectory as
         # length, counted, instead of a request the engine must refuse.
         room = self.cfg.model.max_model_len - len(context)
@@ -132,10 +144,12 @@ class AgentRollout:
             return self._no_room(path)
         try:
             res = await self.engine.generate(GenRequest(
-                prompt_tokens=context, max_tokens=min(s.max_new_tokens, budget, room),
+                prompt_tokens=context, max_tokens=min(limit, room),
                 temperature=s.temperature, top_p=s.top_p, stop_token_ids=self.stop_ids,
-                stop=self.stop_strings, logprobs_topk=s.logprobs_topk if read else 0,
-                topk_window=window if s.topk_window_only else 0, seed=seed))
+                stop=self.stop_strings,
+                logprobs_topk=s.logprobs_topk if read and not exact else 0,
+                topk_window=window if s.topk_window_only else 0, entropy=read and exact,
+                seed=seed))
         except ContextOverflow:
             return self._no_room(path)
         if res.finish_reason == "length" and len(res.tokens) >= room:
@@ -145,25 +159,26 @@ class AgentRollout:
         path.logprobs += list(res.logprobs)
         path.versions += list(res.versions)
         path.rounds += 1
-        top = res.top_logprobs[:window] if read else []
-        ent = entropy_from_topk(top, self.vocab) if top else []
-        h = (window_entropy(ent, self.settings.entropy_window, self.settings.entropy_reduce)
-             if len(ent) else float("nan"))
+        r = self.cfg.rollout
+        h = (round_entropy(res.top_logprobs, res.logprobs, res.entropies,
+                           estimator=r.entropy_estimator, vocab_size=self.vocab, window=window,
+                           reduce=r.entropy_reduce, short_round=r.short_round)
+             if read else float("nan"))
         text = self.tokenizer.decode(res.tokens, skip_special_tokens=False)
         text, path.overhang = (split_at_stop(text, res.stop_reason) if res.finish_reason == "stop"
                                else (text, ""))
-        return text, h, res.finish_reason
+        return text, h, len(res.tokens) < window, res.finish_reason
 
     def _count_full(self, path: _Path) -> None:
         self.context_full += 1
         path.context_full = True
 
-    def _no_room(self, path: _Path) -> tuple[str, float, str]:
+    def _no_room(self, path: _Path) -> tuple[str, float, bool, str]:
         """No round fits: the trajectory ends as length, and no branch decision is made
         (there is no round to read an entropy from)."""
         self._count_full(path)
         path.decide = False
-        return "", float("nan"), "length"
+        return "", float("nan"), False, "length"
 
     async def _tool(self, path: _Path, call: ToolCall) -> None:
         # A call that cannot run (hermes: bad JSON, unknown tool, bad arguments) is
@@ -205,21 +220,23 @@ class AgentRollout:
         """Rounds and tool calls until the path finishes (its finish_reason set)."""
         planner = group.planner
         while True:
-            root = planner.parent_of(path.tid) == -1
-            text, h, finish = await self._round(prompt, path,
-                                                read=path.decide or root and path.rounds == 0)
-            if path.rounds == 1 and root:
-                planner.record_initial_entropy(path.tid, h)
-                group.h_root.append(h)
+            first = path.needs_h_init
+            text, h, short, finish = await self._round(prompt, path, read=path.decide or first)
+            if first:
+                path.needs_h_init = False
+                planner.record_initial_entropy(path.tid, h, short)
+                if planner.parent_of(path.tid) == -1:
+                    group.h_root.append(h)
             if path.decide:
                 path.decide = False
                 if group.measuring(path.tid):  # AEPO's probe before m is known: measure only
                     group.h_tool.append(h)
                     self._split_budget(prompt, group)
                 else:
-                    forks, _ = planner.after_tool_round(path.tid, h)
+                    forks, _ = planner.after_tool_round(path.tid, h, short)
+                    own = self.settings.fork_h_init == "own"
                     for tid in forks:
-                        child = path.fork(tid)
+                        child = path.fork(tid, own)
                         if path.state is not None:
                             child.state = await path.state.fork()
                         group.spawn(self._drive(prompt, child, group), child.state)

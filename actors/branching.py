@@ -9,13 +9,17 @@ The rules (docs/design.md "ARPO branching"; ARPO arXiv 2507.19849 Sec. 3.2):
 1. Start N global samples (``start()``); budget M leaves in total.
 2. H_init is the window entropy of a trajectory's first round, recorded per
    *trajectory id* (``record_initial_entropy``). A fork inherits its parent's H_init:
-   it shares that first round.
+   it shares that first round (``fork_h_init="parent"``, the paper's definition); with
+   ``"own"`` (the authors' code) the entropy of the fork's own first round, the round
+   after the tool result it resampled, becomes its H_init.
 3. For the round that follows a tool result, H_t is its window entropy and
    dH_t = H_t - H_init; P_t = clip(alpha + beta * dH_t, 0, 1) (ARPO's
    P_t = alpha + beta * dH_t). With probability P_t (one draw from the injected
    generator per call), or deterministically when P_t >= ``branch_threshold`` in
    threshold mode (ARPO's "Branch(Z) if P_t > tau"), Z forks are created, never more
-   than M - (leaves + live).
+   than M - (leaves + live). ``short_round="skip"``: a round shorter than the entropy
+   window gets no decision (no draw, no fork; counted as ``skipped_short``), nor does any
+   round of a trajectory whose H_init came from a short round.
 4. ``fill()``: when nothing of the prompt is live and fewer than M leaves exist, start
    fresh global samples up to M.
 
@@ -67,6 +71,8 @@ class BranchSettings:
     aepo_penalty: float = 0.0  # AEPO: P *= 1 - penalty * l after l consecutive branches
     dynamic_budget: bool = False  # AEPO: N comes from aepo_global_samples
     budget_beta: float = 0.5  # AEPO: slope of the sigmoid budget split
+    fork_h_init: str = "parent"  # a fork's H_init: its parent's, or its own first round's
+    short_round: str = "as_is"  # skip: no decision on a round shorter than the window
 
     def __post_init__(self) -> None:
         if self.group_size < 1:
@@ -78,6 +84,8 @@ class BranchSettings:
             raise ValueError("branch_factor (Z) and entropy_window (k) must be >= 1")
         if not 0.0 <= self.aepo_penalty <= 1.0:
             raise ValueError(f"aepo_penalty must be in [0, 1], got {self.aepo_penalty}")
+        if self.fork_h_init not in ("parent", "own"):
+            raise ValueError(f"fork_h_init must be parent or own, got {self.fork_h_init!r}")
 
     @classmethod
     def from_config(cls, rollout_cfg: Any) -> BranchSettings:
@@ -100,6 +108,8 @@ class BranchSettings:
             aepo_penalty=rollout_cfg.aepo_branch_penalty if aepo else 0.0,
             dynamic_budget=aepo and rollout_cfg.aepo_dynamic_budget,
             budget_beta=rollout_cfg.aepo_budget_beta,
+            fork_h_init=rollout_cfg.fork_h_init,
+            short_round=rollout_cfg.short_round,
         )
 
 
@@ -155,12 +165,13 @@ class BranchPlanner:
             raise ValueError(f"initial={self._initial} outside [1, M={settings.group_size}]")
         self._parent: list[int] = []
         self._h_init: list[float | None] = []
+        self._short_init: list[bool] = []  # H_init came from a round shorter than the window
         self._streak: list[int] = []
         self._live: set[int] = set()
         self._leaves: list[int] = []
         self._count = {"global_samples": 0, "fills": 0, "forks": 0, "tool_rounds": 0,
                        "branch_events": 0, "blocked_by_budget": 0, "entropy_missing": 0,
-                       "p_outside_band": 0}
+                       "p_outside_band": 0, "skipped_short": 0}
         self._p_sum = self._p_sq_sum = self._dh_sum = 0.0
         self._p_min, self._p_max = math.inf, -math.inf
 
@@ -243,28 +254,38 @@ class BranchPlanner:
         self._count["fills"] += len(ids)
         return ids
 
-    def record_initial_entropy(self, traj_id: int, h: float) -> None:
-        """H_init of a global sample: window entropy of its first round (nan: unknown)."""
+    def record_initial_entropy(self, traj_id: int, h: float, short: bool = False) -> None:
+        """H_init of a global sample (or, with ``fork_h_init="own"``, of a fork): window
+        entropy of its first round (nan: unknown); ``short``: that round was shorter than
+        the window."""
         self._require_live(traj_id)
-        if self._parent[traj_id] != -1:
+        if self._parent[traj_id] != -1 and self.settings.fork_h_init == "parent":
             raise ValueError(f"trajectory {traj_id} is a fork; it inherits H_init from "
                              f"{self._parent[traj_id]}")
         if self._h_init[traj_id] is not None:
             raise ValueError(f"trajectory {traj_id}: H_init already recorded")
         self._h_init[traj_id] = float(h)
+        self._short_init[traj_id] = bool(short)
         if not _finite(float(h)):
             self._count["entropy_missing"] += 1
 
-    def after_tool_round(self, traj_id: int, h_t: float) -> tuple[list[int], dict[str, float]]:
+    def after_tool_round(self, traj_id: int, h_t: float, short: bool = False
+                         ) -> tuple[list[int], dict[str, float]]:
         """Decide on the round that followed a tool result of ``traj_id``; returns the ids
         of the forks to create (children of ``traj_id``, to start from the end of that
-        tool result) and the decision's metrics."""
+        tool result) and the decision's metrics. ``short``: that round was shorter than the
+        entropy window (``short_round="skip"`` then makes no decision)."""
         self._require_live(traj_id)
         h_init = self._h_init[traj_id]
         if h_init is None:
             raise ValueError(f"trajectory {traj_id}: after_tool_round before "
                              "record_initial_entropy")
         s = self.settings
+        if s.short_round == "skip" and (short or self._short_init[traj_id]):
+            self._count["skipped_short"] += 1
+            return [], {"p": math.nan, "dh": math.nan, "h_t": float(h_t),
+                        "h_init": float(h_init), "streak": float(self._streak[traj_id]),
+                        "forks": 0.0, "blocked_by_budget": 0.0, "skipped_short": 1.0}
         known = _finite(h_t) and _finite(h_init)
         dh = h_t - h_init if known else 0.0
         streak = self._streak[traj_id]
@@ -278,7 +299,9 @@ class BranchPlanner:
         else:
             want = draw < p
         n = min(s.branch_factor, self.remaining_budget()) if want else 0
-        forks = [self._create(traj_id, h_init, streak + 1) for _ in range(n)]
+        inherited = h_init if s.fork_h_init == "parent" else None
+        forks = [self._create(traj_id, inherited, streak + 1, self._short_init[traj_id])
+                 for _ in range(n)]
         self._streak[traj_id] = streak + 1 if n else 0
         self._tally(known, p, dh, want, n)
         return forks, {"p": p, "dh": dh, "h_t": float(h_t), "h_init": float(h_init),
@@ -292,10 +315,12 @@ class BranchPlanner:
         self._leaves.append(traj_id)
 
     # ------------------------------------------------------------------ internals
-    def _create(self, parent: int, h_init: float | None, streak: int) -> int:
+    def _create(self, parent: int, h_init: float | None, streak: int,
+                short_init: bool = False) -> int:
         traj_id = len(self._parent)
         self._parent.append(parent)
         self._h_init.append(h_init)
+        self._short_init.append(short_init and h_init is not None)
         self._streak.append(streak)
         self._live.add(traj_id)
         return traj_id

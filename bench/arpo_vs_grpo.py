@@ -1,37 +1,45 @@
-"""ARPO against GRPO, from one SFT checkpoint of the default job, same wall-clock budget.
+"""ARPO against GRPO, random branching and AEPO on the noisy suite, at equal tool cost.
 
-Arms (each a real RL stage: vLLM actors, DeepSpeed learner, sandboxed Python, BM25 search,
-then the held-out evaluation of its last checkpoint, exactly as the default job runs them):
-- ``grpo``: no branching (``rollout.mode=grpo``);
-- ``arpo``: entropy branching with the reference defaults (alpha 0.5, beta 0.2, summed
-  window entropy);
-- ``random``: ARPO with random branching: ``beta=0`` so P no longer depends on entropy,
-  and ``alpha`` set to the decision-weighted mean P of the same seed's ``arpo`` run, so it
-  wants a fork as often as ARPO did, at the same decision points (after each tool result),
-  but placed by chance. This is the ablation that isolates the entropy signal;
-- ``aepo``: AEPO (dynamic budget split, branch penalty).
+From one SFT checkpoint of a default job built on the noisy suite (``pipeline.suite_noise``,
+``pipeline.suite_slips``: a share of search replies name a wrong entity and a share of the
+demonstrator's snippets slip, so after a tool result checking and answering compete),
+each arm is a real RL stage (vLLM actors, DeepSpeed learner, sandboxed Python, the noisy
+BM25 retriever) followed by the held-out evaluation of its last checkpoint:
 
-The budget (``--budget-s``) counts from the end of each run's first learner step
-(``run.time_limit_from=first_step``): how long the engines take to start depends on the
-shared machine's load and is not training time. Every arm runs once per seed
-(``run.seed``: the actors' sampling and branching), in an order rotated per seed so that
-slow drift of the shared machine does not favour one arm.
-With ``--lock FILE`` each arm holds an exclusive ``flock`` on FILE while it runs, so other
-heavy jobs that take the same lock do not share its budget.
+- ``grpo``: no branching;
+- ``arpo``: entropy branching with the authors' estimator (``entropy_estimator=reference``,
+  top 10) and their alpha 0.5, beta 0.2;
+- ``arpo_exact``: the same with the exact entropy (vLLM returns each window token's whole
+  log-prob vector);
+- ``random``: ``beta=0`` and ``alpha`` = the decision-weighted mean P of the same seed's
+  ``arpo`` run: as many forks at the same decision points, placed by chance, the ablation
+  that isolates the entropy signal;
+- ``aepo``: AEPO (dynamic budget split, branch penalty), reference estimator.
 
-Reported per arm (mean and standard error over seeds): held-out pass@1 after RL, executed
-tool calls per leaf during RL, tool calls per question at evaluation, fork rate (forks per
-branch decision), RL steps done. JSON to ``--results``, a plot next to it, and the last
-line ``RESULT arpo_vs_grpo tool_calls_ratio=<arpo/grpo executed tool calls per leaf>
-accuracy_delta=<arpo - grpo pass@1> target=... met|missed``.
+**Budget: executed tool calls** (``run.tool_call_budget``, the same for every arm): ARPO's
+claim is better accuracy per tool call, and on this shared machine wall time measures
+the other jobs' load as much as the arm (``--max-s`` only caps a stuck arm, counted from
+the first learner step). Each arm's wall time and steps are reported beside it. Every arm
+runs once per seed (``run.seed``: the actors' sampling and branching), arm order rotated
+per seed (``random`` right after ``arpo``, whose rate it needs).
 
-    python bench/arpo_vs_grpo.py [--run runs/default] [--seeds 0,1,2] [--budget-s 180]
-        [--arms grpo,arpo,random,aepo] [--eval-limit 300] [--eval-k 2] [--lock FILE]
+Reported per arm (mean and standard error over seeds): held-out pass@1 after RL, tool
+calls executed and their wall time, tool calls per leaf, fork rate, steps; per seed the
+paired differences arpo - random, arpo - grpo, arpo_exact - random; and the null test of
+``python -m arpo_async.jobs.analyze entropy`` on the SFT model (does the entropy signal rise
+above sampling noise?). JSON to ``--results`` with a plot beside it; the last line is
+``RESULT arpo_vs_grpo arpo_minus_random=<x> arpo_minus_grpo=<y> se=<z>
+tool_calls_ratio=<r> target=arpo_minus_random>=2se met|missed`` (se: standard error of the
+paired arpo - random difference; r: arpo / grpo tool calls per leaf).
 
-Each arm's run folder is kept under ``--out``; run the same command again and the arms
-already finished there are read back, not run again (a half-done arm is run again).
-``--run`` is a finished default job (``python -m arpo_async.launch``): its
-``pipeline_config.yaml``, ``sft/`` model, data folder and SFT evaluation are reused.
+    python bench/arpo_vs_grpo.py --run runs/noisy [--seeds 0,1,2,3,4] [--tool-calls 600]
+        [--arms grpo,arpo,arpo_exact,random,aepo] [--eval-limit 150] [--eval-k 2]
+        [--null-limit 48 --null-k 4] [--lock FILE] [key=value ...]
+
+Arms already finished under ``--out`` are read back, not run again. ``--run`` is a
+finished default job on the noisy suite, e.g. ``python -m arpo_async.launch run.dir=runs/noisy
+pipeline.data_dir=data/noisy task.data=data/noisy/rl.jsonl pipeline.suite_noise=0.3
+pipeline.suite_slips=0.2 rollout.tool_call_limit=5 sampling.max_response_tokens=400``.
 """
 
 from __future__ import annotations
@@ -52,20 +60,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import RESULTS, SCRATCH_DIR, write_results  # noqa: E402
 
-ARMS = ("grpo", "arpo", "random", "aepo")
+ARMS = ("grpo", "arpo", "arpo_exact", "random", "aepo")
+REFERENCE = {"rollout.entropy_estimator": "reference", "sampling.logprobs_topk": 10,
+             "rollout.alpha": 0.5, "rollout.beta": 0.2}
+PAIRS = (("arpo", "random"), ("arpo", "grpo"), ("arpo_exact", "random"),
+         ("arpo_exact", "grpo"), ("aepo", "grpo"), ("random", "grpo"))
 
 
 def arm_overrides(arm: str, random_alpha: float | None) -> dict:
     if arm == "grpo":
         return {"rollout.mode": "grpo"}
     if arm == "arpo":
-        return {"rollout.mode": "arpo"}
+        return {"rollout.mode": "arpo", **REFERENCE}
+    if arm == "arpo_exact":
+        return {"rollout.mode": "arpo", **REFERENCE, "rollout.entropy_estimator": "exact"}
     if arm == "aepo":
-        return {"rollout.mode": "aepo"}
+        return {"rollout.mode": "aepo", **REFERENCE}
     if arm == "random":
         if random_alpha is None:
             raise ValueError("the random arm needs the same seed's arpo run first")
-        return {"rollout.mode": "arpo", "rollout.beta": 0.0, "rollout.alpha": random_alpha}
+        return {"rollout.mode": "arpo", **REFERENCE, "rollout.beta": 0.0,
+                "rollout.alpha": random_alpha}
     raise ValueError(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}")
 
 
@@ -96,11 +111,13 @@ def exclusive(lock: str | None):
 
 def run_arm(base, arm: str, seed: int, args, sft: str, url: str, out: Path,
             random_alpha: float | None) -> dict:
+    from arpo_async.core.rundir import latest_checkpoint
     from arpo_async.jobs.pipeline import run_eval, run_rl
 
     cfg = base.model_copy(deep=True)
     run_dir = out / f"{arm}-seed{seed}"
-    overrides = {"run.seed": seed, "run.time_limit_s": args.budget_s,
+    overrides = {"run.seed": seed, "run.tool_call_budget": args.tool_calls,
+                 "run.time_limit_s": args.max_s,
                  "run.time_limit_from": "first_step",  # start-up, load-dependent, not counted
                  "learner.max_steps": 100000, "pipeline.eval_limit": args.eval_limit,
                  "pipeline.eval_k": args.eval_k, "metrics.wandb": False,
@@ -114,8 +131,6 @@ def run_arm(base, arm: str, seed: int, args, sft: str, url: str, out: Path,
     t0 = time.time()
     run_rl(cfg, run_dir, sft, url, quiet=True)
     t_rl = time.time() - t0
-    from arpo_async.core.rundir import latest_checkpoint
-
     run_eval(cfg, str(latest_checkpoint(run_dir)), url, run_dir / "eval")
     timing = {"stage_s": round(t_rl, 1), "eval_s": round(time.time() - t0 - t_rl, 1),
               "loadavg_1m_after": round(os.getloadavg()[0], 2)}
@@ -134,12 +149,13 @@ def row_from_folder(run_dir: Path, arm: str, seed: int) -> dict:
     timing_path = run_dir / "bench_timing.json"
     row = {"arm": arm, "seed": seed, "accuracy": ev["pass@1"],
            "tool_calls_per_question": ev["tool_calls_per_sample"],
-           "no_tool_share": ev.get("no_tool_share"),
+           "no_tool_share": ev.get("no_tool_share"), "tool_calls": rl.get("tool_calls"),
            "executed_per_leaf": rl.get("tools_executed_per_leaf_mean"),
            "fork_rate": rl.get("fork_rate"), "p_outside_band_share": rl.get("p_outside_band_share"),
            "p_mean": rl.get("branch_p_mean_mean"), "steps": rl.get("steps"),
            "rl_wall_s": rl.get("rl_wall_s"), "alpha": cfg.rollout.alpha,
-           "beta": cfg.rollout.beta, "run_dir": str(run_dir),
+           "beta": cfg.rollout.beta, "estimator": cfg.rollout.entropy_estimator,
+           "run_dir": str(run_dir),
            **(json.loads(timing_path.read_text()) if timing_path.is_file() else {})}
     if arm == "arpo":
         row["decision_weighted_p"] = decision_weighted_p(run_dir)
@@ -161,8 +177,8 @@ def mean_se(values: list[float]) -> tuple[float, float]:
     return m, math.sqrt(var / len(vals))
 
 
-FIGURES = ("accuracy", "executed_per_leaf", "tool_calls_per_question", "fork_rate",
-           "p_outside_band_share", "steps")
+FIGURES = ("accuracy", "tool_calls", "rl_wall_s", "executed_per_leaf",
+           "tool_calls_per_question", "fork_rate", "p_outside_band_share", "steps")
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -174,6 +190,33 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
+def paired(rows: list[dict]) -> dict:
+    """Per seed differences of held-out pass@1 between arms, with their mean and s.e."""
+    acc = {(r["arm"], r["seed"]): r["accuracy"] for r in rows}
+    out = {}
+    for a, b in PAIRS:
+        seeds = sorted(s for (arm, s) in acc if arm == a and (b, s) in acc)
+        diffs = [acc[(a, s)] - acc[(b, s)] for s in seeds]
+        if diffs:
+            m, se = mean_se(diffs)
+            out[f"{a}-{b}"] = {"seeds": seeds, "diffs": diffs, "mean": m, "se": se}
+    return out
+
+
+def null_test(base, sft: Path, data_dir: Path, args) -> dict:
+    """The analyze command's null test on the SFT model, for the reference settings."""
+    from arpo_async.jobs.analyze import entropy_analysis
+
+    cfg = base.model_copy(deep=True)
+    for key, value in REFERENCE.items():
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, value)
+    cfg.model.path, cfg.run.dir = str(sft), str(Path(args.out) / "null_test")
+    res = entropy_analysis(cfg, data_dir / "heldout.jsonl", data_dir / "corpus.jsonl",
+                           Path(args.out) / "null_test", args.null_limit, args.null_k)
+    return {"finding": res["finding"], "rows": res["null_test"]}
+
+
 def plot(summary: dict, sft_acc: float | None, path: Path) -> Path:
     import matplotlib
 
@@ -181,10 +224,10 @@ def plot(summary: dict, sft_acc: float | None, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     arms = list(summary)
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     for ax, (fig_key, label) in zip(axes, [("accuracy", "held-out pass@1 after RL"),
                                            ("executed_per_leaf", "tool calls per leaf (RL)"),
-                                           ("fork_rate", "forks per decision")]):
+                                           ("rl_wall_s", "RL wall time at equal tool calls, s")]):
         means = [summary[a][fig_key][0] for a in arms]
         errs = [0 if math.isnan(summary[a][fig_key][1]) else summary[a][fig_key][1]
                 for a in arms]
@@ -193,6 +236,7 @@ def plot(summary: dict, sft_acc: float | None, path: Path) -> Path:
             ax.axhline(sft_acc, color="grey", ls="--", lw=1, label="after SFT")
             ax.legend(fontsize=8)
         ax.set_title(label, fontsize=10)
+        ax.tick_params(axis="x", labelsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -200,99 +244,130 @@ def plot(summary: dict, sft_acc: float | None, path: Path) -> Path:
     return path
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--run", default="runs/default", help="a finished default-job run folder")
-    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--run", default="runs/noisy", help="a finished default job on the noisy suite")
+    ap.add_argument("--seeds", default="0,1,2,3,4")
     ap.add_argument("--arms", default=",".join(ARMS))
-    ap.add_argument("--budget-s", type=float, default=180.0, help="RL wall-clock budget per arm")
-    ap.add_argument("--eval-limit", type=int, default=300)
+    ap.add_argument("--tool-calls", type=int, default=600,
+                    help="RL budget per arm: tool calls executed by the groups trained")
+    ap.add_argument("--max-s", type=float, default=900.0,
+                    help="wall-clock cap per arm after its first step, s (a stuck arm)")
+    ap.add_argument("--eval-limit", type=int, default=150)
     ap.add_argument("--eval-k", type=int, default=2)
+    ap.add_argument("--null-limit", type=int, default=48, help="null test: held-out prompts")
+    ap.add_argument("--null-k", type=int, default=4, help="null test: samples per prompt")
     ap.add_argument("--lock", default=None, help="hold an exclusive flock on FILE per arm")
     ap.add_argument("--out", default=f"{SCRATCH_DIR}/arpo_vs_grpo")
     ap.add_argument("--results", default=str(RESULTS / "arpo_vs_grpo.json"))
-    args = ap.parse_args()
+    ap.add_argument("overrides", nargs="*", metavar="key=value",
+                    help="applied to the run's config before the arms' own keys")
+    return ap.parse_args()
 
+
+def run_seed(i: int, seed: int, arms: list[str], base, args, sft: Path, url: str, out: Path,
+             rows: list[dict], total: int, t0: float) -> None:
+    order = arms[i % len(arms):] + arms[:i % len(arms)]
+    if "random" in order and order.index("random") < order.index("arpo"):
+        order.remove("random")
+        order.insert(order.index("arpo") + 1, "random")
+    alpha = None
+    for arm in order:
+        run_dir = out / f"{arm}-seed{seed}"
+        if finished(run_dir):
+            row = row_from_folder(run_dir, arm, seed)
+            print(f"[{len(rows) + 1}/{total}] seed {seed} {arm}: finished before, kept",
+                  flush=True)
+        else:
+            print(f"[{len(rows) + 1}/{total}] seed {seed} {arm} ({time.time() - t0:.0f} s so "
+                  "far)", flush=True)
+            for attempt in (1, 2):
+                shutil.rmtree(run_dir, ignore_errors=True)  # a half-done arm
+                try:
+                    with exclusive(args.lock):
+                        row = run_arm(base, arm, seed, args, str(sft), url, out, alpha)
+                    break
+                except RuntimeError as exc:  # e.g. no step inside the budget
+                    print(f"    attempt {attempt} failed: {exc}", flush=True)
+                    if attempt == 2:
+                        raise
+        if arm == "arpo":
+            alpha = round(row["decision_weighted_p"], 4)
+        rows.append(row)
+        print(f"    acc {row['accuracy']:.3f}  tool calls {row['tool_calls']} "
+              f"({row['executed_per_leaf']}/leaf)  fork rate {row['fork_rate']}  steps "
+              f"{row['steps']}  RL {row['rl_wall_s']} s  ({row.get('stage_s')} + "
+              f"{row.get('eval_s')} s)", flush=True)
+
+
+def _cell(s: dict, figure: str, digits: int = 3) -> str:
+    return f"{s[figure][0]:.{digits}f} ± {s[figure][1]:.{digits}f}"
+
+
+def report(summary: dict, pairs: dict, null: dict | None, sft_acc, args) -> None:
+    print(f"\nheld-out after SFT: {sft_acc}; RL budget {args.tool_calls} executed tool calls "
+          f"per arm")
+    print(f"{'arm':10} {'pass@1':>15} {'tool calls':>13} {'RL wall s':>13} "
+          f"{'tools/leaf':>15} {'fork rate':>15} {'steps':>8}")
+    for arm, s in summary.items():
+        print(f"{arm:10} {_cell(s, 'accuracy'):>15} {s['tool_calls'][0]:>13.0f} "
+              f"{_cell(s, 'rl_wall_s', 0):>13} {_cell(s, 'executed_per_leaf'):>15} "
+              f"{_cell(s, 'fork_rate'):>15} {s['steps'][0]:>8.1f}")
+    for name, p in pairs.items():
+        diffs = ", ".join(f"{d:+.3f}" for d in p["diffs"])
+        print(f"paired {name:18} {p['mean']:+.4f} ± {p['se']:.4f}  (per seed: {diffs})")
+    if null:
+        print(null["finding"])
+
+
+def main() -> int:
+    args = parse_args()
     from arpo_async.core.config import load_config
     from arpo_async.jobs.pipeline import USER_CONFIG
     from toolenv.retriever_server import RetrieverProcess
+    from toolenv.tasks.suite import suite_noise
 
     src = Path(args.run)
     sft = src / "sft"
     if not (src / USER_CONFIG).is_file() or not (sft / "config.json").is_file():
         raise SystemExit(f"--run {src}: needs a finished default job ({USER_CONFIG} and sft/); "
-                         "run `python -m arpo_async.launch` first")
+                         "see this script's docstring")
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     arms = [a for a in args.arms.split(",") if a.strip()]
     for arm in arms:
         arm_overrides(arm, 0.5)  # names checked before anything runs
     if "random" in arms and "arpo" not in arms:
         raise SystemExit("--arms: the random arm takes its rate from the arpo arm; add arpo")
-    base = load_config(src / USER_CONFIG, [])
+    base = load_config(src / USER_CONFIG, args.overrides)
+    data_dir = Path(base.pipeline.data_dir)
     sft_eval = src / "eval" / "sft" / "summary.json"
     sft_acc = json.loads(sft_eval.read_text())["pass@1"] if sft_eval.is_file() else None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)  # arms already finished there are kept
-    rows: list[dict] = []
     t0 = time.time()
-    total = len(seeds) * len(arms)
-    with RetrieverProcess(Path(base.pipeline.data_dir) / "corpus.jsonl") as retriever:
+    null = null_test(base, sft, data_dir, args) if args.null_limit else None
+    rows: list[dict] = []
+    corpus = data_dir / "corpus.jsonl"
+    with RetrieverProcess(corpus, **suite_noise(corpus)) as retriever:
         for i, seed in enumerate(seeds):
-            order = arms[i % len(arms):] + arms[:i % len(arms)]
-            if "random" in order and order.index("random") < order.index("arpo"):
-                order.remove("random")
-                order.insert(order.index("arpo") + 1, "random")
-            alpha = None
-            for arm in order:
-                run_dir = out / f"{arm}-seed{seed}"
-                if finished(run_dir):
-                    row = row_from_folder(run_dir, arm, seed)
-                    print(f"[{len(rows) + 1}/{total}] seed {seed} {arm}: finished before, "
-                          f"kept ({run_dir})", flush=True)
-                else:
-                    print(f"[{len(rows) + 1}/{total}] seed {seed} {arm} "
-                          f"({time.time() - t0:.0f} s so far)", flush=True)
-                    for attempt in (1, 2):
-                        shutil.rmtree(run_dir, ignore_errors=True)  # a half-done arm
-                        try:
-                            with exclusive(args.lock):
-                                row = run_arm(base, arm, seed, args, str(sft), retriever.url,
-                                              out, alpha)
-                            break
-                        except RuntimeError as exc:  # e.g. no step inside the budget
-                            print(f"    attempt {attempt} failed: {exc}", flush=True)
-                            if attempt == 2:
-                                raise
-                if arm == "arpo":
-                    alpha = round(row["decision_weighted_p"], 4)
-                rows.append(row)
-                print(f"    acc {row['accuracy']:.3f}  tool calls/leaf "
-                      f"{row['executed_per_leaf']}  fork rate {row['fork_rate']}  "
-                      f"steps {row['steps']}  ({row.get('stage_s')} + {row.get('eval_s')} s)",
-                      flush=True)
-    summary = summarize(rows)
-    print(f"\nheld-out after SFT: {sft_acc}; RL budget {args.budget_s:.0f} s per arm, "
-          f"seeds {seeds}")
-    print(f"{'arm':8} {'pass@1':>15} {'tools/leaf':>15} {'tools/question':>15} "
-          f"{'fork rate':>15} {'steps':>10}")
-    for arm, s in summary.items():
-        cells = [f"{s[f][0]:.3f} ± {s[f][1]:.3f}" for f in FIGURES[:4]]
-        print(f"{arm:8} {cells[0]:>15} {cells[1]:>15} {cells[2]:>15} {cells[3]:>15} "
-              f"{s['steps'][0]:>10.1f}")
+            run_seed(i, seed, arms, base, args, sft, retriever.url, out, rows,
+                     len(seeds) * len(arms), t0)
+    summary, pairs = summarize(rows), paired(rows)
+    report(summary, pairs, null, sft_acc, args)
     png = plot(summary, sft_acc, Path(args.results).with_suffix(".png"))
     print(f"wrote {png}")
     write_results("arpo_vs_grpo", {"args": vars(args), "accuracy_after_sft": sft_acc,
-                                   "rows": rows, "summary": summary,
+                                   "suite": suite_noise(corpus), "rows": rows,
+                                   "summary": summary, "paired": pairs, "null_test": null,
                                    "wall_s": round(time.time() - t0, 1)}, args.results)
-    if "arpo" in summary and "grpo" in summary:
-        ratio = summary["arpo"]["executed_per_leaf"][0] / summary["grpo"]["executed_per_leaf"][0]
-        delta = summary["arpo"]["accuracy"][0] - summary["grpo"]["accuracy"][0]
-        met = "met" if ratio <= 1.0 and delta >= 0 else "missed"
-        print(f"RESULT arpo_vs_grpo tool_calls_ratio={ratio:.3f} accuracy_delta={delta:+.4f} "
-              f"target=tool_calls_ratio<=1,accuracy_delta>=0 {met}")
-    else:
-        print("RESULT arpo_vs_grpo tool_calls_ratio=nan accuracy_delta=nan "
-              "target=tool_calls_ratio<=1,accuracy_delta>=0 missed")
+    vs_random, vs_grpo = pairs.get("arpo-random", {}), pairs.get("arpo-grpo", {})
+    x, se = vs_random.get("mean", float("nan")), vs_random.get("se", float("nan"))
+    y = vs_grpo.get("mean", float("nan"))
+    ratio = (summary["arpo"]["executed_per_leaf"][0] / summary["grpo"]["executed_per_leaf"][0]
+             if "arpo" in summary and "grpo" in summary else float("nan"))
+    met = "met" if x >= 2 * se else "missed"  # nan compares false: missed
+    print(f"RESULT arpo_vs_grpo arpo_minus_random={x:+.4f} arpo_minus_grpo={y:+.4f} "
+          f"se={se:.4f} tool_calls_ratio={ratio:.3f} target=arpo_minus_random>=2se {met}")
     return 0
 
 

@@ -10,7 +10,8 @@
     checkpoint  every ``learner.checkpoint_every`` steps (and at the end), atomically
     record      ``RUN_DIR/state.json`` (the run state, atomically) and one metrics line
 
-The run ends at ``learner.max_steps`` or when ``run.time_limit_s`` is up; rank 0 then
+The run ends at ``learner.max_steps``, when ``run.time_limit_s`` is up or when the groups
+trained have executed ``run.tool_call_budget`` tool calls; rank 0 then
 stops the actors and writes ``RUN_DIR/learner_summary.json`` with the exact ledger.
 
 Resume (``--resume``): the newest complete checkpoint (learner/checkpoint.py) gives the
@@ -129,6 +130,7 @@ class LearnerLoop:
         self.restarts = meta.get("learner_restarts", 0) + 1 if self.meta else 0
         self.t_start = time.time() - meta.get("wall_time", 0.0)
         self.t_first_step: float | None = None  # end of this process's first step
+        self.tool_calls = meta.get("tool_calls_trained", 0)  # run.tool_call_budget
         self.broadcast_s = 0.0
         self.state: dict | None = None
 
@@ -142,7 +144,7 @@ class LearnerLoop:
             t0 = time.perf_counter()
             batch = self.collect()
             if batch is None:
-                log.info("time limit reached after %d steps", self.step)
+                log.info("time limit or tool-call budget reached after %d steps", self.step)
                 break
             part, groups, stats = batch
             wait_s = time.perf_counter() - t0
@@ -188,6 +190,7 @@ class LearnerLoop:
         optimizer steps); the step count, and with it the policy version, moves on by one."""
         metrics = self.trainer.train_step(part)
         self.step += 1
+        self.tool_calls += sum(g.tool_calls_executed for g in groups)
         if self.service is not None:
             self.service.mark_trained(groups)
         return metrics
@@ -221,6 +224,7 @@ class LearnerLoop:
         return {"step": self.step, "policy_version": self.step,
                 "wall_time": time.time() - self.t_start, "time": time.time(),
                 "learner_restarts": self.restarts, "world_size": self.world,
+                "tool_calls_trained": self.tool_calls,
                 "zero_stage": lc.zero_stage, "model_path": self.cfg.model.path,
                 "ledger": svc.ledger_state(), "data_position": svc.data_positions(),
                 "admission": svc.admission.counters(), "staleness": svc.filter.stats()}
@@ -254,6 +258,10 @@ class LearnerLoop:
 
     # ------------------------------------------------------------------ helpers
     def time_up(self) -> bool:
+        """The time limit is reached, or the tool-call budget spent."""
+        budget = self.cfg.run.tool_call_budget
+        if budget and self.tool_calls >= budget:
+            return True
         limit = self.cfg.run.time_limit_s
         if limit <= 0:
             return False

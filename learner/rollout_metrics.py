@@ -12,7 +12,8 @@ import math
 
 KEYS = ("branch/p_mean", "branch/p_std", "branch/p_min", "branch/p_max", "branch/dh_mean",
         "branch/decisions", "branch/forks", "branch/fills", "branch/leaves_per_group",
-        "branch/p_outside_band", "tools/executed_per_leaf", "rollout/context_full")
+        "branch/p_outside_band", "branch/skipped_short", "tools/executed_per_leaf",
+        "rollout/context_full")
 
 
 def rollout_metrics(groups: list) -> dict[str, float]:
@@ -35,6 +36,9 @@ def rollout_metrics(groups: list) -> dict[str, float]:
         "branch/fills": total("fills"),
         # decisions whose P is outside [0.45, 0.55] (actors/branching.py P_BAND)
         "branch/p_outside_band": total("p_outside_band"),
+        # post-tool rounds shorter than the entropy window, left without a decision
+        # (rollout.short_round=skip)
+        "branch/skipped_short": total("skipped_short"),
         "branch/leaves_per_group": leaves / len(groups) if groups else 0.0,
         "tools/executed_per_leaf": (sum(g.tool_calls_executed for g in groups) / leaves
                                     if leaves else 0.0),

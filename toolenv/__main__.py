@@ -1,6 +1,7 @@
 """Command line for the tool environment.
 
     python -m toolenv serve-retriever --corpus FILE.jsonl --port P [--host H] [--delay-ms D]
+        [--noise S --noise-seed N]
     python -m toolenv cache stats DIR
     python -m toolenv cache clear DIR
     python -m toolenv call python 'print(6*7)'
@@ -39,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000, help="port (0: pick a free one)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind")
     s.add_argument("--delay-ms", type=float, default=0.0, help="added latency per request, ms")
+    s.add_argument("--noise", type=float, default=0.0,
+                   help="share of query strings answered with a wrong entity's documents")
+    s.add_argument("--noise-seed", type=int, default=0, help="seed of the noise draws")
     s.add_argument("--ready-file", default="", help="write the URL here once serving")
     s.add_argument("--exit-with-parent", action="store_true",
                    help="stop when the starting process exits (used by RetrieverProcess)")
@@ -171,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
         try:
-            serve(a.corpus, a.host, a.port, a.delay_ms, a.ready_file, a.exit_with_parent)
+            serve(a.corpus, a.host, a.port, a.delay_ms, a.ready_file, a.exit_with_parent,
+                  a.noise, a.noise_seed)
         except CorpusError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

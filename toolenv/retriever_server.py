@@ -12,13 +12,19 @@ start-up and serves:
   integration tests check client-side concurrency limits with it).
 
 ``--delay-ms`` adds latency to every request, to benchmark clients against a slow
-service. ``start_retriever`` runs it inside the current loop; ``RetrieverProcess`` runs it
-as a child process and waits until it answers.
+service. ``--noise S --noise-seed N`` makes it an unreliable search engine on purpose (the
+noisy synthetic suite, ``pipeline.suite_noise``): for a share S of query strings, drawn
+from a hash of (N, the query lower-cased with its whitespace collapsed, as the tool cache
+keys it), the reply names a wrong entity: the best documents whose title differs from the
+best match's. The same query always gets the same reply; another phrasing is another draw.
+``start_retriever`` runs it inside the current loop; ``RetrieverProcess`` runs it as a
+child process and waits until it answers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import os
@@ -67,13 +73,31 @@ def load_corpus(path: str | Path) -> list[dict]:
     return docs
 
 
-class BM25Index:
-    """bm25s over the documents' full contents (title included), English stopwords."""
+NOISE_POOL = 50  # candidates searched for a wrong entity's documents in a noisy reply
 
-    def __init__(self, docs: list[dict]):
+
+def noisy_query(query: str, share: float, seed: int) -> bool:
+    """Whether ``query`` gets a wrong-entity reply: a uniform draw from a hash of the seed
+    and the query as the tool cache normalises it, below ``share``."""
+    if share <= 0.0:
+        return False
+    norm = " ".join(query.split()).lower()
+    digest = hashlib.blake2b(f"{seed}\0{norm}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64 < share
+
+
+class BM25Index:
+    """bm25s over the documents' full contents (title included), English stopwords;
+    ``noise``/``noise_seed``: the unreliable engine of the module docstring."""
+
+    def __init__(self, docs: list[dict], noise: float = 0.0, noise_seed: int = 0):
         import bm25s  # lazy: --help and the client never need it
 
+        if not 0.0 <= noise <= 1.0:
+            raise ValueError(f"retriever noise {noise}: must be in [0, 1]")
         self._bm25s = bm25s
+        self.noise, self.noise_seed = noise, noise_seed
+        self.noisy_replies = 0
         start = time.monotonic()
         self.docs = docs
         tokens = bm25s.tokenize([d["contents"] for d in docs], stopwords="en", show_progress=False)
@@ -84,7 +108,21 @@ class BM25Index:
 
     def search(self, query: str, k: int) -> list[tuple[dict, float]]:
         """Top ``k`` (document, score) pairs with a positive score, best first (ties by
-        corpus order)."""
+        corpus order); for a noisy query, the top ``k`` of those whose title is not the
+        best match's (the clean reply when there are none)."""
+        if not noisy_query(query, self.noise, self.noise_seed):
+            return self._ranked(query, k)
+        hits = self._ranked(query, max(k, NOISE_POOL))
+        if not hits:
+            return hits
+        title = _title(hits[0][0])
+        wrong = [h for h in hits if _title(h[0]) != title][:k]
+        if not wrong:
+            return hits[:k]
+        self.noisy_replies += 1
+        return wrong
+
+    def _ranked(self, query: str, k: int) -> list[tuple[dict, float]]:
         words = self._bm25s.tokenize(
             [query], stopwords="en", return_ids=False, show_progress=False
         )[0]
@@ -96,6 +134,10 @@ class BM25Index:
             hits = hits[np.argpartition(-scores[hits], k - 1)[:k]]
         hits = hits[np.lexsort((hits, -scores[hits]))]
         return [(self.docs[int(i)], float(scores[i])) for i in hits]
+
+
+def _title(doc: dict) -> str:
+    return doc["contents"].partition("\n")[0].strip()
 
 
 @dataclass
@@ -167,7 +209,7 @@ def build_app(index: BM25Index, delay_ms: float = 0.0) -> web.Application:
         return web.json_response({"status": "ok", "docs": len(index.docs)})
 
     async def get_stats(_: web.Request) -> web.Response:
-        return web.json_response(vars(stats))
+        return web.json_response(vars(stats) | {"noisy_replies": index.noisy_replies})
 
     app = web.Application()
     app.router.add_post("/retrieve", retrieve)
@@ -177,13 +219,14 @@ def build_app(index: BM25Index, delay_ms: float = 0.0) -> web.Application:
 
 
 async def start_retriever(
-    corpus_path: str | Path, host: str = "127.0.0.1", port: int = 0, delay_ms: float = 0.0
+    corpus_path: str | Path, host: str = "127.0.0.1", port: int = 0, delay_ms: float = 0.0,
+    noise: float = 0.0, noise_seed: int = 0,
 ) -> tuple[web.AppRunner, str]:
     """Index the corpus and serve it in the running loop. Returns (runner, url of
     /retrieve); stop with ``await runner.cleanup()``."""
     loop = asyncio.get_running_loop()
     docs = await loop.run_in_executor(None, load_corpus, corpus_path)
-    index = await loop.run_in_executor(None, BM25Index, docs)
+    index = await loop.run_in_executor(None, BM25Index, docs, noise, noise_seed)
     log.info("indexed %d docs (%d terms) from %s in %.2fs",
              len(docs), index.vocab_size, corpus_path, index.build_s)
     runner = web.AppRunner(build_app(index, delay_ms), access_log=None)
@@ -206,11 +249,11 @@ async def _watch_parent(stop: asyncio.Event) -> None:
 
 
 def serve(corpus: str, host: str, port: int, delay_ms: float, ready_file: str = "",
-          exit_with_parent: bool = False) -> None:
+          exit_with_parent: bool = False, noise: float = 0.0, noise_seed: int = 0) -> None:
     """Blocking entry point of ``serve-retriever``; stops on SIGINT/SIGTERM."""
 
     async def main() -> None:
-        runner, url = await start_retriever(corpus, host, port, delay_ms)
+        runner, url = await start_retriever(corpus, host, port, delay_ms, noise, noise_seed)
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
@@ -233,9 +276,11 @@ class RetrieverProcess:
     ``port=0`` lets the server pick a free port and report it back."""
 
     def __init__(self, corpus: str | Path, port: int = 0, host: str = "127.0.0.1",
-                 delay_ms: float = 0.0, startup_timeout_s: float = 60.0):
+                 delay_ms: float = 0.0, startup_timeout_s: float = 60.0, noise: float = 0.0,
+                 noise_seed: int = 0):
         self.corpus, self.port, self.host = Path(corpus), port, host
         self.delay_ms, self.startup_timeout_s = delay_ms, startup_timeout_s
+        self.noise, self.noise_seed = noise, noise_seed
         self.url = ""
         self.proc: subprocess.Popen | None = None
         self._tmp: tempfile.TemporaryDirectory | None = None
@@ -249,6 +294,7 @@ class RetrieverProcess:
         ready, logf = Path(self._tmp.name, "url"), Path(self._tmp.name, "log")
         cmd = [sys.executable, "-m", "toolenv", "serve-retriever", "--corpus", str(self.corpus),
                "--host", self.host, "--port", str(self.port), "--delay-ms", str(self.delay_ms),
+               "--noise", repr(self.noise), "--noise-seed", str(self.noise_seed),
                "--ready-file", str(ready), "--exit-with-parent"]
         with logf.open("wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)

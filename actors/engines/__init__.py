@@ -26,7 +26,9 @@ async def build_engine(
         return await VLLMEngine.create(
             model_path, dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
             kv_cache_gib=cfg.actors.kv_cache_gib, seed=seed,
-            max_logprobs=max(cfg.actors.max_logprobs, cfg.sampling.logprobs_topk),
+            # the exact entropy reads every token's whole distribution: no cap (-1)
+            max_logprobs=(-1 if cfg.rollout.entropy_estimator == "exact"
+                          else max(cfg.actors.max_logprobs, cfg.sampling.logprobs_topk)),
             # CUDA graphs only on GPU: the CPU backend runs eager
             enforce_eager=cfg.cluster.device == "cpu" or not cfg.actors.cuda_graphs,
             cpu_threads=cfg.actors.threads,

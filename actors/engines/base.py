@@ -45,6 +45,9 @@ class GenRequest:
     # their own log-prob only (top_logprobs entry []): entropy is read over a window
     topk_window: int = 0
     ignore_eos: bool = False
+    # also the exact entropy (nats) of each token's sampling distribution, over the same
+    # tokens as the top-k (rollout.entropy_estimator=exact)
+    entropy: bool = False
 
 
 UPDATE_MODES = ("drain", "interrupt")
@@ -67,6 +70,9 @@ class GenResult:
     # then resumes under the new weights); [] means every token has ``version``
     versions: list[int] = field(default_factory=list)
     interruptions: int = 0  # times a weight update stopped and resumed this call
+    # per token, the exact entropy (nats) of its sampling distribution when the request
+    # asked for it (nan past the window); [] when it did not or the engine cannot give it
+    entropies: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.versions:

@@ -51,6 +51,15 @@ def sampling_logprobs(logits: Any, temperature: float, top_p: float) -> Any:
     return torch.log_softmax(z, dim=-1)
 
 
+def nats(logprobs: Any) -> float:
+    """Exact entropy (nats) of one distribution given as log-probs (-inf entries, tokens
+    that top-p removed, contribute nothing)."""
+    import torch
+
+    p = logprobs.exp()
+    return float(-torch.where(p > 0, p * logprobs, torch.zeros_like(p)).sum())
+
+
 class HFEngine:
     """``GenerationEngine`` over a transformers causal LM; build it with ``await create``."""
 
@@ -117,7 +126,7 @@ class HFEngine:
                else self._generator)
         prompt = list(req.prompt_tokens) + done
         limit = min(req.max_tokens - len(done), self.max_model_len - len(prompt))
-        tokens, logprobs, tops = [], [], []
+        tokens, logprobs, tops, ents = [], [], [], []
         finish, reason = "length", None
         with torch.inference_mode():
             # the prefill's logits of the last position only: [1, 1, V], not [1, L, V]
@@ -137,6 +146,8 @@ class HFEngine:
                 k = min(max(req.logprobs_topk, 0), lp.shape[-1]) if in_window else 0
                 top = lp.topk(k).values.tolist() if k else []
                 tops.append([v for v in top if v != float("-inf")])
+                if req.entropy:
+                    ents.append(nats(lp) if in_window else float("nan"))
                 ended, reason = self._stopped(req, done + tokens)
                 if ended:
                     finish = "stop"
@@ -144,7 +155,8 @@ class HFEngine:
                 out = self._model(torch.tensor([[tok]]), past_key_values=out.past_key_values,
                                   use_cache=True)
         return GenResult(tokens=tokens, logprobs=logprobs, top_logprobs=tops,
-                         finish_reason=finish, stop_reason=reason, version=self.version)
+                         finish_reason=finish, stop_reason=reason, version=self.version,
+                         entropies=ents)
 
     async def generate(self, req: GenRequest) -> GenResult:
         if not req.prompt_tokens:
@@ -152,7 +164,7 @@ class HFEngine:
         if len(req.prompt_tokens) >= self.max_model_len:
             raise ValueError(f"prompt of {len(req.prompt_tokens)} tokens leaves no room under "
                              f"model.max_model_len={self.max_model_len}")
-        tokens, logprobs, tops, versions, interruptions = [], [], [], [], 0
+        tokens, logprobs, tops, versions, ents, interruptions = [], [], [], [], [], 0
         while True:
             stop = threading.Event()
             async with self._gate.call(stop=stop.set), self._compute:
@@ -161,6 +173,7 @@ class HFEngine:
             tokens += part.tokens
             logprobs += part.logprobs
             tops += part.top_logprobs
+            ents += part.entropies
             versions += [version] * len(part.tokens)
             if part.finish_reason != "abort":
                 break
@@ -168,7 +181,8 @@ class HFEngine:
         self.interrupted_calls += bool(interruptions)
         return GenResult(tokens=tokens, logprobs=logprobs, top_logprobs=tops,
                          finish_reason=part.finish_reason, stop_reason=part.stop_reason,
-                         version=version, versions=versions, interruptions=interruptions)
+                         version=version, versions=versions, interruptions=interruptions,
+                         entropies=ents)
 
     def _sequence_sync(self, prompt_tokens: list[int], tokens: list[int]) -> list[float]:
         import torch

@@ -120,6 +120,13 @@ class EntropyTable:
     def logprobs(self, s: np.ndarray, log_z: np.ndarray, ranks: np.ndarray) -> np.ndarray:
         return -s * np.minimum(ranks, self.k - 1) - log_z
 
+    def nats(self, s: np.ndarray, log_z: np.ndarray) -> np.ndarray:
+        """Exact entropy (nats) of the law with slope ``s`` (the exact-entropy requests)."""
+        logp_head = -s[:, None] * np.arange(self.k - 1)[None, :] - log_z[:, None]
+        logp_tail = -s * (self.k - 1) - log_z
+        return (-(np.exp(logp_head) * logp_head).sum(1)
+                - self.tail * np.exp(logp_tail) * logp_tail)
+
 
 class SimulatedEngine:
     """``GenerationEngine`` with no model; build it with ``await create(cfg, ...)``."""
@@ -169,15 +176,17 @@ class SimulatedEngine:
                 break
             interruptions += 1
         after_tool = self._after_tool(req.prompt_tokens)
-        logprobs, top = self._logprobs(len(tokens), after_tool, req.logprobs_topk, rng)
+        logprobs, top, nats = self._logprobs(len(tokens), after_tool, req.logprobs_topk, rng)
         if 0 < req.topk_window < len(top):
             top = top[:req.topk_window] + [[] for _ in top[req.topk_window:]]
+            nats = nats[:req.topk_window] + [math.nan] * (len(nats) - req.topk_window)
         self.tokens_generated += len(tokens)
         self.calls += 1
         self.interrupted_calls += bool(interruptions)
         return GenResult(tokens=tokens, logprobs=logprobs, top_logprobs=top,
                          finish_reason=finish, stop_reason=reason, version=version,
-                         versions=versions, interruptions=interruptions)
+                         versions=versions, interruptions=interruptions,
+                         entropies=nats if req.entropy else [])
 
     def _check_prompt(self, tokens: list[int]) -> None:
         if not tokens:
@@ -231,19 +240,21 @@ class SimulatedEngine:
         return any(tuple(tail[i:i + len(end)]) == end for i in range(len(tail) - len(end) + 1))
 
     def _logprobs(self, n: int, after_tool: bool, k: int, rng: np.random.Generator
-                  ) -> tuple[list[float], list[list[float]]]:
+                  ) -> tuple[list[float], list[list[float]], list[float]]:
+        """Per token: the sampled log-prob, the top-k log-probs, the law's exact entropy."""
         if n == 0:
-            return [], []
+            return [], [], []
         target = self.sim.entropy_after_tool if after_tool else self.sim.entropy
         h = np.clip(target + self.sim.entropy_noise * rng.standard_normal(n), 0.0, 1.0)
         k = max(0, min(k, self.vocab.size))
         table = _entropy_table(self.vocab.size, k or 20)  # k = 0: shape only, nothing returned
         s, log_z = table.slope(h)
         logprobs = table.logprobs(s, log_z, table.sample_ranks(s, log_z, rng)).tolist()
+        nats = table.nats(s, log_z).tolist()
         if not k:
-            return logprobs, [[] for _ in range(n)]
+            return logprobs, [[] for _ in range(n)], nats
         ranks = np.arange(k)[None, :]
-        return logprobs, table.logprobs(s[:, None], log_z[:, None], ranks).tolist()
+        return logprobs, table.logprobs(s[:, None], log_z[:, None], ranks).tolist(), nats
 
     async def _pace(self, n: int, stopped: list) -> int:
         """Sleep as long as ``n`` tokens take; returns the tokens paced before ``stopped``

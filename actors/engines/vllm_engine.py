@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from actors.engines.base import (
     ContextOverflow,
     GenRequest,
@@ -114,6 +116,14 @@ def _retie_embeddings(worker: Any) -> None:
         head.weight = embed.weight
         if getattr(head, "quant_method", None) is not None:
             head.quant_method.process_weights_after_loading(head)
+
+
+def _nats(entry: dict) -> float:
+    """Exact entropy (nats) of one token's distribution from its full log-prob dict
+    (``logprobs=-1``); -inf entries (removed by top-p) contribute nothing."""
+    lp = np.fromiter((v.logprob for v in entry.values()), np.float64, len(entry))
+    lp = lp[np.isfinite(lp)]
+    return float(-(np.exp(lp) * lp).sum())
 
 
 def _top_k(entry: dict, k: int) -> list[float]:
@@ -242,13 +252,17 @@ class VLLMEngine:
         split across two segments is still found (``_boundary_stops``)."""
         from vllm import SamplingParams
 
-        if req.logprobs_topk > self.max_logprobs:
+        if self.max_logprobs != -1 and req.logprobs_topk > self.max_logprobs:
             raise ValueError(f"logprobs_topk={req.logprobs_topk} exceeds the engine's "
                              f"max_logprobs={self.max_logprobs}")
+        if req.entropy and self.max_logprobs != -1:
+            raise ValueError("an exact-entropy request needs the engine started with "
+                             "max_logprobs=-1 (rollout.entropy_estimator=exact does that)")
         self._check_prompt(req.prompt_tokens, 1)
         tokens: list[int] = []
         logprobs: list[float] = []
         top: list[list[float]] = []
+        ents: list[float] = []
         versions: list[int] = []
         stops, reason, finish, interruptions = list(req.stop), None, "length", 0
         window = req.topk_window if 0 < req.topk_window < req.max_tokens else 0
@@ -258,12 +272,14 @@ class VLLMEngine:
                 break
             in_window = window == 0 or len(tokens) < window
             k = max(0, req.logprobs_topk) if in_window else 0
+            full = req.entropy and in_window  # the whole vector, for the exact entropy
             limit = (window if window and in_window else req.max_tokens) - len(tokens)
             extra = self._boundary_stops(req.stop, tokens) if tokens and req.stop else {}
             params = SamplingParams(
                 n=1, max_tokens=limit, temperature=req.temperature, top_p=req.top_p,
                 stop_token_ids=list(req.stop_token_ids), stop=stops + list(extra),
-                include_stop_str_in_output=True, logprobs=k, ignore_eos=req.ignore_eos,
+                include_stop_str_in_output=True, logprobs=-1 if full else k,
+                ignore_eos=req.ignore_eos,
                 seed=None if req.seed is None else (req.seed + len(tokens)) % 2**31,
                 # Text is only needed to match stop strings; decoding 20 candidates per
                 # token otherwise costs more than the tiny model's forward pass.
@@ -289,6 +305,8 @@ class VLLMEngine:
             tokens += got
             logprobs += [float(e[t].logprob) for t, e in zip(got, entries)]
             top += [_top_k(e, k) if k else [] for e in entries]
+            if req.entropy:
+                ents += [_nats(e) if full else float("nan") for e in entries]
             versions += [version] * len(got)
             finish, reason = comp.finish_reason or "abort", comp.stop_reason
             if finish == "abort" and stopped:
@@ -306,7 +324,7 @@ class VLLMEngine:
         return GenResult(tokens=tokens, logprobs=logprobs, top_logprobs=top,
                          finish_reason=finish, stop_reason=reason, version=versions[-1]
                          if versions else self.version, versions=versions,
-                         interruptions=interruptions)
+                         interruptions=interruptions, entropies=ents)
 
     def _boundary_stops(self, stops: list[str], tokens: list[int]) -> dict[str, str]:
         """Stop strings the next segment must also stop at: for each stop string whose

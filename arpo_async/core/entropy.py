@@ -1,4 +1,4 @@
-"""Token entropy for ARPO's branching decisions, normalised to [0, 1].
+"""Token and round entropy for ARPO's branching decisions.
 
 ARPO (arXiv 2507.19849, Sec. 3.2 "entropy variation monitoring") measures the entropy of
 the first k tokens a round generates, H = -sum_j p_j log p_j with p = softmax(z / T), and
@@ -50,6 +50,24 @@ which cancels part of this bias.
 
 vLLM returns the top-k log-probs *plus* the sampled token when it is not among them;
 pass each distinct candidate once (the estimators accept lists of any length >= 1).
+
+**A round's entropy** (``round_entropy``, ``rollout.entropy_estimator``), from the first
+``window`` tokens of a round:
+
+* ``reference``: the ARPO authors' number (RUC-NLPIR/ARPO, ``vllm_rollout_with_tools.py``
+  ``_calc_entropy`` and its caller): every log-prob vLLM returned for those tokens (the
+  top k, the authors' 10, and the sampled token when it is not among them, in vLLM's
+  order: the sampled token first) flattened into one list, ``-sum(exp(l) * l)`` over it,
+  divided by ``ln V`` once. No tail term, so it is a lower bound of the summed normalised
+  entropy; ``reference_round_entropy`` reproduces it operation for operation, so the same
+  log-probs give the same float.
+* ``tail_corrected``: ``entropy_from_topk(top, V)`` per token, then ``window_entropy``.
+* ``exact``: the engine's exact entropy of each token's sampling distribution (nats,
+  ``GenResult.entropies``) over ``ln V``, then ``window_entropy``: the yardstick.
+
+``short_round`` for a round shorter than the window: ``as_is`` (a sum over fewer tokens,
+so a short round reads as an entropy fall), ``scale`` (the sum rescaled to the window's
+length), ``skip`` (the value as is; the branch planner makes no decision on it).
 """
 
 from __future__ import annotations
@@ -116,6 +134,67 @@ def entropy_from_topk(top_logprobs: Sequence[Sequence[float]],
                              f"> vocab_size {vocab_size}")
         out[t] = _token_entropy(np.minimum(logps, 0.0), vocab_size)
     return out
+
+
+ESTIMATORS = ("reference", "tail_corrected", "exact")
+SHORT_ROUNDS = ("as_is", "scale", "skip")
+
+
+def reference_candidates(top: Sequence[float], sampled: float) -> list[float]:
+    """One token's log-probs in the order vLLM's logprob dict lists them, as the reference
+    code reads them: the sampled token first, then the top k without it (by value: a
+    sampled token tied with the k-th best but outside the top k counts as inside)."""
+    rest = list(top)
+    with_sampled = next((i for i, v in enumerate(rest) if v == sampled), None)
+    if with_sampled is not None:
+        del rest[with_sampled]
+    return [float(sampled), *rest]
+
+
+def reference_round_entropy(candidates: Sequence[Sequence[float]], vocab_size: int,
+                            window: int = 20) -> float:
+    """The ARPO authors' round entropy: the log-probs of the first min(window, len) tokens
+    flattened, ``-sum(p * l)`` with ``p = exp(l)``, divided by ``ln V``; 0.0 for a round
+    with none (as theirs). The same operations in the same order as their code."""
+    logprobs = [float(lp) for cands in candidates[:window] for lp in cands]
+    if not logprobs:
+        return 0.0
+    p_list = [math.exp(lp) for lp in logprobs]
+    return -sum(p * lp for p, lp in zip(p_list, logprobs)) / math.log(vocab_size)
+
+
+def round_entropy(top_logprobs: Sequence[Sequence[float]], sampled: Sequence[float],
+                  entropies: Sequence[float], *, estimator: str, vocab_size: int,
+                  window: int, reduce: str = "sum", short_round: str = "as_is") -> float:
+    """A round's entropy H from its first ``window`` tokens with ``estimator`` (module
+    docstring): ``top_logprobs`` and ``sampled`` (the sampled tokens' log-probs) per token,
+    ``entropies`` the exact per-token entropies in nats (``exact`` only). nan: unknown (no
+    token of the window has what the estimator needs). ``short_round="scale"`` rescales a
+    summed H of a round shorter than the window to the window's length."""
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"round_entropy: estimator={estimator!r}; expected {ESTIMATORS}")
+    if short_round not in SHORT_ROUNDS:
+        raise ValueError(f"round_entropy: short_round={short_round!r}; expected {SHORT_ROUNDS}")
+    if estimator == "reference":
+        head = [(t, s) for t, s in zip(top_logprobs[:window], sampled[:window]) if len(t)]
+        if not head:
+            return math.nan
+        h = reference_round_entropy([reference_candidates(t, s) for t, s in head], vocab_size,
+                                    window)
+        n = len(head)
+    else:
+        if estimator == "exact":
+            per_token = np.asarray(entropies[:window], dtype=np.float64) / math.log(vocab_size)
+        else:
+            top = top_logprobs[:window]
+            per_token = entropy_from_topk(top, vocab_size) if len(top) else np.zeros(0)
+        h = window_entropy(per_token, window, reduce) if per_token.size else math.nan
+        n = int(np.isfinite(per_token[:window]).sum())
+        if reduce == "mean":
+            return h
+    if short_round == "scale" and 0 < n < window:
+        h *= window / n
+    return h
 
 
 def window_entropy(token_entropies: Sequence[float] | np.ndarray, k: int,

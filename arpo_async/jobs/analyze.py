@@ -13,11 +13,25 @@ reports the mean normalised entropy
   and by tool.
 
 It also scores the rollout's own estimate: the tail-corrected top-``sampling.logprobs_topk``
-entropy (what the actors branch on) against the exact one, as the error on the round
-entropy H and on dH = H_t - H_init with ``rollout.entropy_reduce``.
+entropy against the exact one, as the error on the round entropy H and on dH = H_t - H_init
+with ``rollout.entropy_reduce``.
+
+**The null test** (``null_test``), for each estimator of ``rollout.entropy_estimator``
+(the authors' ``reference`` at their top 10, ``tail_corrected`` at the run's top k,
+``exact``) and each ``rollout.short_round`` rule: the branch decisions the samples hold
+(dH = H of a round after a tool result - H of the trajectory's first round), against null
+decisions where the "after" window is sampled again from the same position as the
+"before" one, with no tool result in between: for each real decision of sample i with an
+n-token post-tool round, the first round of every other sample j of the prompt cut to n
+tokens (dH = H_first(j)[:n] - H_first(i)), so that null and real compare windows of the
+same lengths (a short round's sum is lower by its length alone). For both it reports the
+share of P = alpha + beta * dH (the run's alpha, beta) outside [0.45, 0.55] and the
+variance of dH; signal/noise is var(dH real) / var(dH null). Near 1: the branching
+signal is mostly sampling noise.
 
 Writes ``RUN_DIR/analysis/entropy.json`` (keys ``before_tool``, ``after_tool``,
-``first_round``, ``n_tool_calls``, ``by_round``, ``by_tool``, ``estimate``, ``finding``)
+``first_round``, ``n_tool_calls``, ``by_round``, ``by_tool``, ``estimate``, ``null_test``,
+``finding``)
 and ``RUN_DIR/analysis/entropy_by_position.png`` (the ARPO paper's motivating figure, for
 this model), and prints the finding in one line.
 """
@@ -27,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import sys
 from pathlib import Path
 
@@ -88,6 +103,13 @@ def position_profile(leaves: list[dict], k: int) -> dict:
             "n_tool_calls": calls}
 
 
+def vocab_of(cfg: Config) -> int:
+    """V of the rollout's normalisation (``len(tokenizer)``, as AgentRollout uses)."""
+    from transformers import AutoTokenizer
+
+    return len(AutoTokenizer.from_pretrained(cfg.model.path))
+
+
 def _mean(values: list[float]) -> float | None:
     return float(np.mean(values)) if values else None
 
@@ -119,10 +141,11 @@ async def sample_leaves(cfg: Config, data: Path, limit: int, k: int, corpus: Pat
     from toolenv.retriever_server import RetrieverProcess
     from toolenv.runner import build_tools
     from toolenv.tasks.prompts import PromptSource
-    from toolenv.tasks.suite import SYSTEM_PROMPT
+    from toolenv.tasks.suite import SYSTEM_PROMPT, suite_noise
 
     with contextlib.ExitStack() as stack:
-        url = stack.enter_context(RetrieverProcess(corpus)).url if corpus else ""
+        url = (stack.enter_context(RetrieverProcess(corpus, **suite_noise(corpus))).url
+               if corpus else "")
         cfg = eval_config(cfg, data, k, retriever_url=url)
         tok = AutoTokenizer.from_pretrained(cfg.model.path)
         source = PromptSource(cfg, tok)
@@ -154,8 +177,10 @@ async def sample_leaves(cfg: Config, data: Path, limit: int, k: int, corpus: Pat
 
 def score_entropies(model_path: str, leaves: list[dict], temperature: float,
                     topk: int) -> None:
-    """Add the exact per-token entropy (``entropy``) and the rollout's tail-corrected top-k
-    estimate (``estimate``) of every response token to each record (nan on tool tokens)."""
+    """Add to each record, per response token (nan on tool tokens): the exact normalised
+    entropy (``entropy``) and in nats (``nats``), the tail-corrected top-k estimate
+    (``estimate``), the top max(k, the authors' 10) log-probs (``top``) and the sampled
+    token's log-prob (``sampled``)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -168,11 +193,14 @@ def score_entropies(model_path: str, leaves: list[dict], temperature: float,
         with torch.no_grad():
             logits = model(input_ids=ids).logits[0, n - 1:n + L - 1].float() / temperature
         exact = entropy_from_logits(logits).numpy().astype(np.float64)
-        top = torch.log_softmax(logits, -1).topk(topk, -1).values.numpy()
-        est = entropy_from_topk(list(top), logits.shape[-1])
+        logp = torch.log_softmax(logits, -1)
+        top = logp.topk(max(topk, AUTHORS_TOPK), -1).values.numpy().astype(np.float64)
+        est = entropy_from_topk(list(top[:, :topk]), logits.shape[-1])
         tool = np.asarray(leaf["mask"]) == 0
         exact[tool], est[tool] = np.nan, np.nan
-        leaf["entropy"], leaf["estimate"] = exact, est
+        leaf["entropy"], leaf["estimate"], leaf["top"] = exact, est, top
+        leaf["nats"] = exact * math.log(logits.shape[-1])
+        leaf["sampled"] = logp.gather(-1, ids[0, n:n + L, None])[:, 0].numpy().astype(np.float64)
 
 
 def estimate_error(leaves: list[dict], k: int, reduce: str) -> dict:
@@ -192,6 +220,103 @@ def estimate_error(leaves: list[dict], k: int, reduce: str) -> dict:
             err_dh.append(abs((a - h[0][0]) - (b - h[0][1])))
     return {"reduce": reduce, "window": k, "h_mae": _mean(err_h), "dh_mae": _mean(err_dh),
             "dh_exact_mean_abs": _mean([abs(x) for x in dh_exact]), "decisions": len(err_dh)}
+
+
+AUTHORS_TOPK = 10  # the reference code's logprobs=10 (vllm_rollout_with_tools.py)
+
+
+def _round_values(leaf: dict, start: int, end: int, estimator: str, topk: int, vocab: int,
+                  window: int, short_round: str) -> float:
+    from arpo_async.core.entropy import round_entropy
+
+    k = AUTHORS_TOPK if estimator == "reference" else topk
+    top = [list(row[:k]) for row in leaf["top"][start:end]]
+    return round_entropy(top, list(leaf["sampled"][start:end]), list(leaf["nats"][start:end]),
+                         estimator=estimator, vocab_size=vocab, window=window,
+                         short_round=short_round)
+
+
+def _decisions(dh: list[float], alpha: float, beta: float) -> dict:
+    from actors.branching import P_BAND
+
+    dh_a = np.asarray(dh, dtype=np.float64)
+    if not dh_a.size:
+        return {"n": 0}
+    p = np.clip(alpha + beta * dh_a, 0.0, 1.0)
+    return {"n": int(dh_a.size), "dh_mean": float(dh_a.mean()), "dh_var": float(dh_a.var()),
+            "p_std": float(p.std()), "outside_band": float(np.mean(np.abs(p - 0.5) > P_BAND))}
+
+
+def _by_prompt(leaves: list[dict]) -> list[list[dict]]:
+    """Records grouped by prompt (a prompt's samples are consecutive), each with rounds."""
+    groups: list[list[dict]] = []
+    for leaf in leaves:
+        rounds = rounds_of(leaf["mask"])
+        if not rounds:
+            continue
+        if not groups or groups[-1][0]["prompt"] != leaf["prompt"]:
+            groups.append([])
+        groups[-1].append({**leaf, "rounds": rounds})
+    return groups
+
+
+def _pairs(group: list[dict], est: str, rule: str, topk: int, vocab: int, window: int
+           ) -> tuple[list[float], list[float]]:
+    """(real dH, null dH) of one prompt's samples. Each real decision (a round after a tool
+    result, n tokens long, minus the sample's first round) has a null twin per other sample:
+    that sample's first round cut to the same n tokens, minus the same first round; so both
+    compare windows of the same lengths, with or without a tool result in between."""
+    def h(leaf, start, end):
+        return _round_values(leaf, start, end, est, topk, vocab, window, rule)
+
+    real, null = [], []
+    for i, leaf in enumerate(group):
+        (s0, e0), *after = leaf["rounds"]
+        if rule == "skip" and e0 - s0 < window:
+            continue
+        h_init = h(leaf, s0, e0)
+        for s, e in after:
+            n = e - s
+            if rule == "skip" and n < window:
+                continue
+            real.append(h(leaf, s, e) - h_init)
+            for j, other in enumerate(group):
+                if j != i:
+                    o0 = other["rounds"][0][0]
+                    null.append(h(other, o0, min(o0 + n, other["rounds"][0][1])) - h_init)
+    return real, null
+
+
+def null_test(leaves: list[dict], window: int, topk: int, vocab: int, alpha: float,
+              beta: float) -> dict:
+    """Real against null branch decisions for each estimator and short-round rule (module
+    docstring). Leaves of one prompt are consecutive records with the same ``prompt``."""
+    out, groups = {}, _by_prompt(leaves)
+    for est in ("reference", "tail_corrected", "exact"):
+        for rule in ("as_is", "scale", "skip"):
+            real, null = [], []
+            for group in groups:
+                r, n = _pairs(group, est, rule, topk, vocab, window)
+                real += r
+                null += n
+            row = {"real": _decisions(real, alpha, beta), "null": _decisions(null, alpha, beta)}
+            var_null = row["null"].get("dh_var")
+            row["signal_to_noise"] = (row["real"]["dh_var"] / var_null if var_null and
+                                      row["real"]["n"] else None)
+            out[est if rule == "as_is" else f"{est}+{rule}"] = row
+    return out
+
+
+def null_line(null: dict) -> str:
+    """One line per estimator (short rounds as they are): outside-band shares and S/N."""
+    parts = []
+    for est in ("reference", "tail_corrected", "exact"):
+        row = null.get(est, {})
+        if row.get("signal_to_noise") is None:
+            continue
+        parts.append(f"{est}: outside band {row['real']['outside_band']:.0%} real vs "
+                     f"{row['null']['outside_band']:.0%} null, S/N {row['signal_to_noise']:.2f}")
+    return "null test: " + ("; ".join(parts) if parts else "no decisions to compare")
 
 
 def plot(profile: dict, path: Path, k: int) -> Path:
@@ -265,8 +390,10 @@ def entropy_analysis(cfg: Config, data: Path, corpus: Path | None, out: Path, li
                   "kind": f"tail-corrected top-{cfg.sampling.logprobs_topk}",
                   "token_mae": _mean([float(np.nanmean(np.abs(x["entropy"] - x["estimate"])))
                                       for x in leaves if np.isfinite(x["entropy"]).any()]),
-                  **{r: estimate_error(leaves, k, r) for r in ("sum", "mean")}}}
-    result["finding"] = finding(profile)
+                  **{r: estimate_error(leaves, k, r) for r in ("sum", "mean")}},
+              "null_test": null_test(leaves, k, cfg.sampling.logprobs_topk, vocab_of(cfg),
+                                     cfg.rollout.alpha, cfg.rollout.beta)}
+    result["finding"] = finding(profile) + "\n" + null_line(result["null_test"])
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "entropy.json", result)
     plot(profile, out / "entropy_by_position.png", k)

@@ -190,6 +190,7 @@ async def evaluate_async(cfg: Config, data: str | Path, k: int = 4, limit: int |
     from toolenv.retriever_server import RetrieverProcess
     from toolenv.runner import build_tools
     from toolenv.tasks.prompts import PromptSource
+    from toolenv.tasks.suite import suite_noise
 
     t_start = time.perf_counter()
     log = log or functools.partial(print, flush=True)
@@ -197,7 +198,7 @@ async def evaluate_async(cfg: Config, data: str | Path, k: int = 4, limit: int |
     model_path = cfg.model.path
     with contextlib.ExitStack() as stack:
         if corpus:
-            retriever_url = stack.enter_context(RetrieverProcess(corpus)).url
+            retriever_url = stack.enter_context(RetrieverProcess(corpus, **suite_noise(corpus))).url
         cfg = eval_config(cfg, data, k, temperature, engine, retriever_url)
         work = Path(out_dir) if out_dir else Path(stack.enter_context(
             tempfile.TemporaryDirectory(prefix="arpo_eval_")))

@@ -85,11 +85,14 @@ def build_data(cfg: Config) -> dict:
                           f"({out}/rl.jsonl)")
     spec = SuiteSpec(seed=cfg.task.seed, entities=p.suite_entities, sft=p.suite_sft,
                      rl=p.suite_rl, heldout=p.suite_heldout, topk=cfg.tools.search_topk,
-                     snippet_chars=cfg.tools.search_snippet_chars, direct=p.suite_direct)
+                     snippet_chars=cfg.tools.search_snippet_chars, direct=p.suite_direct,
+                     search_noise=p.suite_noise, python_slips=p.suite_slips,
+                     recover=p.suite_recover)
     meta_path = out / "meta.json"
     if meta_path.exists():
         meta = json.loads(meta_path.read_text())
-        if meta.get("spec") == asdict(spec):
+        # a suite written before a spec field existed was built with its default
+        if {**asdict(SuiteSpec()), **meta.get("spec", {})} == asdict(spec):
             return {"dir": str(out), "built": False, **meta["counts"]}
         raise ConfigError(f"pipeline.data_dir: {out} holds a suite built with {meta.get('spec')}, "
                           f"not {asdict(spec)}; remove it or point pipeline.data_dir elsewhere")
@@ -230,6 +233,7 @@ def _user_config(args) -> tuple[Config, Path]:
 def run(args) -> int:
     """The whole job; returns the exit code (the summary is printed and saved)."""
     from toolenv.retriever_server import RetrieverProcess
+    from toolenv.tasks.suite import suite_noise
 
     cfg, run_dir = _user_config(args)
     quiet = bool(args.quiet or cfg.run.quiet)
@@ -251,7 +255,8 @@ def run(args) -> int:
     with contextlib.ExitStack() as stack:
         url = cfg.tools.retriever_url
         if "search" in cfg.tools.enabled and not url:
-            url = stack.enter_context(RetrieverProcess(Path(data["dir"]) / "corpus.jsonl")).url
+            corpus = Path(data["dir"]) / "corpus.jsonl"
+            url = stack.enter_context(RetrieverProcess(corpus, **suite_noise(corpus))).url
             _say(f"retriever over {data['dir']}/corpus.jsonl at {url}")
         before = stages.run("eval_sft", run_eval, cfg, start_model, url, run_dir / "eval" / "sft")
         rl = stages.run("rl", run_rl, cfg, run_dir, start_model, url, quiet)

@@ -20,7 +20,8 @@ import argparse
 import asyncio
 import json
 import time
-from dataclasses import asdict
+import re
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -37,20 +38,24 @@ from toolenv.tasks.suite import (
     corpus_rows,
     make_entities,
     make_tasks,
+    slip,
+    with_operands,
 )
 
 # ----------------------------------------------------------------------------- traces
 
 
 class RealTools:
-    """The tools a trace is built with: the sandboxed Python tool and the BM25 index,
-    formatted as the live ``SearchTool`` would show the retriever's reply."""
+    """The tools a trace is built with: the sandboxed Python tool and the BM25 index
+    (with the suite's retriever noise), formatted as the live ``SearchTool`` would show
+    the retriever's reply."""
 
-    def __init__(self, docs: list[dict], topk: int, snippet_chars: int, hide: list = ()):
+    def __init__(self, docs: list[dict], topk: int, snippet_chars: int, hide: list = (),
+                 noise: float = 0.0, noise_seed: int = 0):
         from toolenv.python_tool import PythonTool
         from toolenv.retriever_server import BM25Index
 
-        self.index = BM25Index(docs)
+        self.index = BM25Index(docs, noise, noise_seed)
         self.python = PythonTool(hide=list(hide))
         self.topk, self.snippet_chars = topk, snippet_chars
 
@@ -70,52 +75,121 @@ class RealTools:
         return result.text
 
 
-async def build_trace(task: Task, tools: RealTools, direct: bool = False) -> dict:
-    """One SFT trace of ``task`` with real tool outputs; checks the outputs carry the
-    facts the answer needs, so a trace never teaches a wrong answer. ``direct``: the
-    demonstrator answers from memory instead (``SuiteSpec.direct``)."""
+@dataclass
+class Demonstrator:
+    """How the SFT demonstrator meets wrong tool results (the noisy suite): ``slips`` the
+    share of its snippets with a slipped operand, ``recover`` the chance it checks a wrong
+    result (another phrasing, the snippet run again as meant) instead of using it; its
+    draws come from ``rng`` (one generator per trace)."""
+
+    rng: np.random.Generator
+    slips: float = 0.0
+    recover: float = 0.0
+
+    def checks(self) -> bool:
+        return bool(self.recover > 0 and self.rng.random() < self.recover)
+
+    def slipped(self, code: str) -> str:
+        return slip(code, self.rng) if self.slips > 0 and self.rng.random() < self.slips else code
+
+
+async def build_trace(task: Task, tools: RealTools, direct: bool = False,
+                      demo: Demonstrator | None = None) -> dict:
+    """One SFT trace of ``task`` with real tool outputs. A clean trace is checked to carry
+    the facts the answer needs, so it never teaches a wrong answer; in the noisy suite a
+    trace that used a wrong result unchecked answers with it (``correct`` false), as an
+    imperfect demonstrator would. ``direct``: the demonstrator answers from memory instead
+    (``SuiteSpec.direct``)."""
+    counts = {"wrong_results": 0, "checks": 0}
     if direct:
         segments = [{"text": f"<think>{THINK_DIRECT}</think>\n<answer>\\boxed{{{task.answer}}}"
                              "</answer>", "role": "model"}]
+        final = task.answer
     else:
-        segments = await _tool_segments(task, tools)
+        segments, final = await _tool_segments(task, tools, demo, counts)
     return {"id": task.id, "kind": task.kind, "question": task.question,
             "answers": [task.answer], "system": SYSTEM_PROMPT, "segments": segments,
-            "response": "".join(s["text"] for s in segments), "direct": direct}
+            "response": "".join(s["text"] for s in segments), "direct": direct,
+            "correct": final == task.answer, **counts}
 
 
-async def _tool_segments(task: Task, tools: RealTools) -> list[dict]:
-    thought = THINK[task.kind].format(task.question.removeprefix("What is ").rstrip("?"))
-    segments = [{"text": f"<think>{thought}</think>\n", "role": "model"}]
-    output, found = "", iter(task.found)
+class _Trace:
+    """Segments of one trace as it is built: model text, then each call's result."""
+
+    def __init__(self, thought: str, tools: RealTools):
+        self.segments = [{"text": f"<think>{thought}</think>\n", "role": "model"}]
+        self.tools = tools
+
+    async def call(self, tool: str, args: str) -> str:
+        self.segments[-1]["text"] += f"<{tool}>{args}</{tool}>"
+        output = await self.tools.run(tool, args)
+        self.segments.append({"text": format_result(output), "role": "tool"})
+        self.segments.append({"text": "", "role": "model"})
+        return output
+
+
+async def _search(trace: _Trace, task: Task, i: int, demo: Demonstrator | None,
+                  counts: dict) -> int:
+    """The i-th search of ``task`` (and its checks); returns the number it found."""
+    name, value = task.found[i]
+    queries = [[a for t, a in task.calls if t == "search"][i],
+               *(task.rephrase[i] if task.rephrase else [])]
+    for n, query in enumerate(queries):
+        output = await trace.call("search", query)
+        if output.startswith(f"Doc 1(Title: {name})"):
+            if not output.endswith(f" {value}."):
+                raise RuntimeError(f"{task.id}: search {query!r} did not return its fact first")
+            return value
+        if demo is None:  # the clean suite: every reply names its entity
+            raise RuntimeError(f"{task.id}: search {query!r} did not return its fact first")
+        counts["wrong_results"] += 1
+        if n == len(queries) - 1 or not demo.checks():
+            break
+        counts["checks"] += 1
+    found = re.findall(r"\d+", output)
+    return int(found[-1]) if found else value
+
+
+async def _tool_segments(task: Task, tools: RealTools, demo: Demonstrator | None,
+                         counts: dict) -> tuple[list[dict], str]:
+    trace = _Trace(THINK[task.kind].format(task.question.removeprefix("What is ").rstrip("?")),
+                   tools)
+    values, output = [], ""
     for tool, args in task.calls:
-        segments[-1]["text"] += f"<{tool}>{args}</{tool}>"
-        output = await tools.run(tool, args)
-        segments.append({"text": format_result(output), "role": "tool"})
-        segments.append({"text": "", "role": "model"})
         if tool == "search":
-            name, value = next(found)
-            if not (output.startswith(f"Doc 1(Title: {name})") and output.endswith(f" {value}.")):
-                raise RuntimeError(f"{task.id}: search {args!r} did not return its fact first")
-    final = output.strip() if task.calls[-1][0] == "python" else task.answer
-    if final != task.answer or (task.kind == "lookup" and task.answer not in output):
+            values.append(await _search(trace, task, len(values), demo, counts))
+            output = str(values[-1])
+            continue
+        code = with_operands(args, values) if values else args
+        written = demo.slipped(code) if demo else code
+        output = (await trace.call("python", written)).strip()
+        if written != code:
+            counts["wrong_results"] += 1
+            if demo.checks():
+                counts["checks"] += 1
+                output = (await trace.call("python", code)).strip()
+    final = output if task.calls[-1][0] == "python" else str(values[-1])
+    if not counts["wrong_results"] and final != task.answer:
         raise RuntimeError(f"{task.id}: tools gave {output!r}, expected {task.answer!r}")
-    segments[-1]["text"] = f"<answer>\\boxed{{{final}}}</answer>"
-    return segments
+    trace.segments[-1]["text"] = f"<answer>\\boxed{{{final}}}</answer>"
+    return trace.segments, final
 
 
 async def build_traces(tasks: list[Task], tools: RealTools, concurrency: int = 8,
-                       direct: list[bool] | None = None) -> list[dict]:
+                       direct: list[bool] | None = None,
+                       demos: list[Demonstrator | None] | None = None) -> list[dict]:
     slots = asyncio.Semaphore(concurrency)
+    demos = [None] * len(tasks) if demos is None else demos
 
-    async def one(task: Task, from_memory: bool) -> dict:
+    async def one(task: Task, from_memory: bool, demo: Demonstrator | None) -> dict:
         async with slots:
-            return await build_trace(task, tools, from_memory)
+            return await build_trace(task, tools, from_memory, demo)
 
     # Let every call finish before raising: cancelling sandboxed runs mid-flight is
     # avoided (it hung asyncio.run's clean-up when a trace check failed).
     direct = [False] * len(tasks) if direct is None else direct
-    results = await asyncio.gather(*(one(t, d) for t, d in zip(tasks, direct, strict=True)),
+    results = await asyncio.gather(*(one(t, d, m) for t, d, m in zip(tasks, direct, demos,
+                                                                      strict=True)),
                                    return_exceptions=True)
     for result in results:
         if isinstance(result, BaseException):
@@ -138,15 +212,22 @@ def write_suite(out_dir: str | Path, spec: SuiteSpec = SuiteSpec(), concurrency:
     for split in ("rl", "heldout"):
         write_jsonl(out / f"{split}.jsonl", [t.row() for t in tasks[split]])
     t1 = time.perf_counter()
-    tools = RealTools(docs, spec.topk, spec.snippet_chars, hide=[out])
+    tools = RealTools(docs, spec.topk, spec.snippet_chars, hide=[out], noise=spec.search_noise,
+                      noise_seed=spec.seed)
     # which traces answer from memory: their own generator, so the tasks do not change
     direct = np.random.default_rng([spec.seed, 9]).random(len(tasks["sft"])) < spec.direct
-    traces = asyncio.run(build_traces(tasks["sft"], tools, concurrency, direct.tolist()))
+    noisy = spec.search_noise > 0 or spec.python_slips > 0
+    demos = [Demonstrator(np.random.default_rng([spec.seed, 10, i]), spec.python_slips,
+                          spec.recover) if noisy else None for i in range(len(tasks["sft"]))]
+    traces = asyncio.run(build_traces(tasks["sft"], tools, concurrency, direct.tolist(), demos))
     write_jsonl(out / "sft.jsonl", traces)
     meta = {"spec": asdict(spec), "system_prompt": SYSTEM_PROMPT,
             "tools": {"search_topk": spec.topk, "search_snippet_chars": spec.snippet_chars},
             "counts": {"corpus": len(docs), **{s: len(t) for s, t in tasks.items()},
-                       "sft_direct": int(direct.sum())},
+                       "sft_direct": int(direct.sum()),
+                       "sft_wrong_results": sum(t["wrong_results"] for t in traces),
+                       "sft_checks": sum(t["checks"] for t in traces),
+                       "sft_correct": sum(t["correct"] for t in traces)},
             "timings_s": {"tasks": round(t1 - t0, 2), "traces": round(time.perf_counter() - t1, 2)}}
     atomic_write_json(out / "meta.json", meta)
     return meta
@@ -168,6 +249,12 @@ def main(argv: list[str] | None = None) -> None:
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
     ap.add_argument("--direct", type=float, default=d.direct,
                     help="share of SFT traces answering from memory, without a tool")
+    ap.add_argument("--search-noise", type=float, default=d.search_noise,
+                    help="share of query strings answered with a wrong entity")
+    ap.add_argument("--python-slips", type=float, default=d.python_slips,
+                    help="share of SFT snippets with a slipped operand")
+    ap.add_argument("--recover", type=float, default=d.recover,
+                    help="share of SFT traces that check a wrong result")
     ap.add_argument("--concurrency", type=int, default=8, help="sandboxed Python runs at once")
     args = ap.parse_args(argv)
     spec = SuiteSpec(**{k: getattr(args, k) for k in asdict(d)})

@@ -1,6 +1,7 @@
 """``python -m arpo_async.jobs.analyze entropy`` end to end: the real rollout (transformers
 engine, the sandboxed Python tool) on the benchmarks' tool-calling model, the exact
-entropy from a learner-side forward, both output files."""
+entropy from a learner-side forward, the null test of every estimator, both output
+files."""
 
 from __future__ import annotations
 
@@ -35,12 +36,22 @@ def test_entropy_analysis_writes_its_files(tmp_path):
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     result = json.loads((out / "entropy.json").read_text())
     for key in ("before_tool", "after_tool", "first_round", "n_tool_calls", "by_round",
-                "by_tool", "estimate", "finding"):
+                "by_tool", "estimate", "null_test", "finding"):
         assert key in result, key
     assert result["n_tool_calls"] > 0 and set(result["by_tool"]) == {"python"}
     assert len(result["after_tool"]["by_position"]) == 20
     assert 0.0 <= result["after_tool"]["mean"] <= 1.0
     est = result["estimate"]
     assert est["sum"]["decisions"] > 0 and est["sum"]["dh_mae"] >= 0
+    null = result["null_test"]
+    assert {"reference", "tail_corrected", "exact", "exact+scale", "reference+skip"} <= set(null)
+    for row in null.values():
+        # 2 samples per prompt: each real decision has one null twin (the other sample)
+        assert row["null"]["n"] == row["real"]["n"]
+        assert 0.0 <= row["real"].get("outside_band", 0.0) <= 1.0
+    ref = null["reference"]
+    assert ref["real"]["n"] == est["sum"]["decisions"] > 0
+    assert ref["signal_to_noise"] == ref["real"]["dh_var"] / ref["null"]["dh_var"]
+    assert null["exact"]["real"]["n"] == ref["real"]["n"] and "null test: reference" in res.stdout
     assert (out / "entropy_by_position.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert result["finding"] in res.stdout

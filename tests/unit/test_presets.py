@@ -42,6 +42,11 @@ def test_preset_carries_the_published_settings(name):
     assert (s.temperature, s.top_p, ln.lr, ln.loss.kl_coef, ln.loss.entropy_coef) == (
         1.0, 1.0, 1e-6, 0.0, 0.0)
     assert (ro.alpha, ro.beta, ro.branch_factor, ro.entropy_window) == (0.5, 0.2, 1, 20)
+    # the authors' round entropy (vllm_rollout_with_tools.py): top-10 known terms summed
+    # over the window, short rounds as they are, a fork's own first round as its H_init,
+    # rounds bounded by the budget alone
+    assert (ro.entropy_estimator, ro.entropy_reduce, s.logprobs_topk) == ("reference", "sum", 10)
+    assert (ro.short_round, ro.fork_h_init, s.round_limit) == ("as_is", "own", "budget")
     # batch 128 prompts, mini-batch 16: eight optimizer steps per rollout batch of 128
     # groups, one epoch, the proximal policy kept from before the first step
     assert (ln.batch_groups, ln.minibatches, ln.ppo_epochs) == (128, 8, 1)

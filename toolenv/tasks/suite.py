@@ -15,14 +15,29 @@ so a held-out look-up asks about an entity training never mentioned, and an arit
 operand pair belongs to the split its hash picks. Every split draws from its own seeded
 generator, so its items do not depend on the sizes of the other splits.
 
+The noisy suite (``search_noise``, ``python_slips``; ``pipeline.suite_noise`` and
+``pipeline.suite_slips``) makes a tool result something to judge rather than copy: the
+suite's corpus is served by an unreliable retriever (toolenv/retriever_server.py: a share
+of query strings is answered with a wrong entity's documents, the same reply for the same
+query, another draw for another phrasing), and a share of the SFT demonstrator's Python
+snippets carry a slipped operand. After a wrong result the demonstrator checks (searches
+again with another phrasing from ``Task.rephrase``, or runs the snippet again as it
+should have been) in a share ``recover`` of traces and answers with the wrong value
+otherwise, so the SFT model has both continuations and the better one after a tool result
+is uncertain: where ARPO's branching is meant to pay. The questions are the same as the
+default suite's.
+
 The files of a suite (corpus, SFT traces built with the real tools, the splits) are
 written by ``python -m arpo_async.jobs.synthetic`` (arpo_async/jobs/synthetic.py).
 """
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -79,6 +94,12 @@ class SuiteSpec:
     # its own entities, a guess on anyone else's): an imperfect cold start that RL has to
     # correct by learning when to look things up.
     direct: float = 0.0
+    # The noisy suite (module docstring): share of query strings the suite's retriever
+    # answers with a wrong entity, share of SFT Python snippets with a slipped operand, and
+    # share of SFT traces that check a wrong result instead of answering with it.
+    search_noise: float = 0.0
+    python_slips: float = 0.0
+    recover: float = 0.5
 
     def count(self, split: str) -> int:
         return {"sft": self.sft, "rl": self.rl, "heldout": self.heldout}[split]
@@ -108,6 +129,8 @@ class Task:
     answer: str
     calls: list[tuple[str, str]]  # (tool, args) in the order the trace makes them
     found: list[tuple[str, int]] = field(default_factory=list)  # (entity, value) per search
+    # per search call, other phrasings of its query (tried after a wrong-entity reply)
+    rephrase: list[list[str]] = field(default_factory=list)
 
     def row(self) -> dict:
         """A prompt row in the ARPO RL schema that ``toolenv.tasks.data.load_examples`` reads
@@ -230,6 +253,43 @@ def _query(phrase: str, name: str) -> str:
     return phrase.format(name).removeprefix("the ")
 
 
+def rephrasings(phrase: str, name: str) -> list[str]:
+    """Another phrasing of a look-up query ("Vel Bira population"), its own draw of the
+    noisy retriever: the demonstrator checks a wrong-entity reply with it, once."""
+    core = phrase.removeprefix("the ").replace(" of {}", "").replace(" by {}", "")
+    return [f"{name} {core}"]
+
+
+_NUMBER = re.compile(r"\d+")
+
+
+def slip(code: str, rng: np.random.Generator) -> str:
+    """A typical slip in a snippet: one operand's last digit off by one (the digit count
+    kept, never equal to the original)."""
+    nums = list(_NUMBER.finditer(code))
+    m = nums[int(rng.integers(len(nums)))]
+    digits = m.group()
+    last = int(digits[-1])
+    new = last + 1 if last < 9 and (last == 0 or rng.random() < 0.5) else last - 1
+    return code[:m.start()] + digits[:-1] + str(new) + code[m.end():]
+
+
+def with_operands(code: str, values: list[int]) -> str:
+    """``code`` with its numbers replaced, in order, by ``values`` (a combo's snippet on
+    the numbers its searches returned)."""
+    it = iter(values)
+    return _NUMBER.sub(lambda _: str(next(it)), code)
+
+
+def suite_noise(corpus: str | Path) -> dict:
+    """The retriever noise a suite's corpus is served with (``RetrieverProcess`` keyword
+    arguments), from the suite's meta.json next to it; none for any other corpus."""
+    meta = Path(corpus).with_name("meta.json")
+    spec = json.loads(meta.read_text()).get("spec", {}) if meta.is_file() else {}
+    return {"noise": float(spec.get("search_noise", 0.0)),
+            "noise_seed": int(spec.get("seed", 0))}
+
+
 def _pick_attr(rng: np.random.Generator) -> tuple[str, tuple]:
     name = list(ATTRS)[int(rng.integers(len(ATTRS)))]
     return name, ATTRS[name]
@@ -262,7 +322,7 @@ def make_tasks(spec: SuiteSpec, split: str, n: int | None = None) -> list[Task]:
             e = ents[int(rng.integers(len(ents)))]
             tasks.append(Task(tid, split, kind, f"What is {phrase.format(e.name)}?",
                               str(e.facts[attr]), [("search", _query(phrase, e.name))],
-                              [(e.name, e.facts[attr])]))
+                              [(e.name, e.facts[attr])], [rephrasings(phrase, e.name)]))
             continue
         i1, i2 = rng.choice(len(ents), size=2, replace=False)
         x, y = ents[int(i1)], ents[int(i2)]
@@ -272,5 +332,6 @@ def make_tasks(spec: SuiteSpec, split: str, n: int | None = None) -> list[Task]:
         calls = [("search", _query(phrase, x.name)), ("search", _query(phrase, y.name)),
                  ("python", f"print({a}{op}{b})")]
         tasks.append(Task(tid, split, kind, question, str(a + b if op == "+" else a - b), calls,
-                          [(x.name, a), (y.name, b)]))
+                          [(x.name, a), (y.name, b)],
+                          [rephrasings(phrase, x.name), rephrasings(phrase, y.name)]))
     return tasks

@@ -67,7 +67,14 @@ class SamplingConfig(_Section):
     temperature: float = Field(1.0, description="sampling temperature")
     top_p: float = Field(1.0, description="nucleus sampling mass")
     max_prompt_tokens: int = Field(0, ge=0, description="skip longer prompts, tokens (0: no limit)")
-    max_new_tokens: int = Field(64, description="tokens per generation round")
+    max_new_tokens: int = Field(
+        64, description="tokens per generation round when sampling.round_limit=max_new_tokens, "
+        "and per tool-free sample")
+    round_limit: Literal["budget", "max_new_tokens"] = Field(
+        "budget", description="what bounds one tool round: the trajectory's remaining "
+        "response budget (as the ARPO authors' rollout: a round asks for all of it and runs "
+        "until a stop tag, EOS or the budget), or sampling.max_new_tokens (a round that "
+        "reaches it ends the trajectory as length)")
     max_response_tokens: int = Field(256, description="model + tool tokens per trajectory")
     on_overflow: Literal["refuse", "skip", "cap"] = Field(
         "refuse", description="a prompt whose tokens + max_response_tokens exceed "
@@ -91,6 +98,20 @@ class RolloutConfig(_Section):
         "sum", description="round entropy from its first k tokens' normalised entropies: summed "
         "(the ARPO authors' scale, H in [0, k]) or averaged (H in [0, 1]; dH about k times "
         "smaller, so P stays near alpha)")
+    entropy_estimator: Literal["reference", "tail_corrected", "exact"] = Field(
+        "tail_corrected", description="round entropy (arpo_async/core/entropy.py): the ARPO "
+        "authors' formula (known -p log p terms of the top sampling.logprobs_topk and the "
+        "sampled token, summed over the window, / ln V), the tail-corrected top-k estimate, "
+        "or the exact entropy of each token's distribution (vLLM returns the full log-prob "
+        "vector over the window; transformers and simulated engines compute it)")
+    short_round: Literal["as_is", "scale", "skip"] = Field(
+        "as_is", description="a round shorter than entropy_window: its sum as is (reads as an "
+        "entropy fall), rescaled to the window's length, or no branch decision on it (nor on "
+        "the rounds of a trajectory whose first round was short)")
+    fork_h_init: Literal["parent", "own"] = Field(
+        "parent", description="a fork's H_init: its parent's (the first round they share, as "
+        "the paper defines it) or the entropy of its own first round (the round after the "
+        "tool result it resampled, as the authors' code does)")
     alpha: float = Field(0.5, description="base branch probability")
     beta: float = Field(0.2, description="branch probability per unit entropy rise")
     threshold_mode: bool = Field(False, description="branch deterministically when P >= threshold")
@@ -105,6 +126,14 @@ class RolloutConfig(_Section):
                                     "(the authors' 0.5)")
     aepo_branch_penalty: float = Field(
         0.05, description="AEPO: P *= 1 - penalty*l after l branches")
+
+
+    @model_validator(mode="after")
+    def _reference_sums(self) -> "RolloutConfig":
+        if self.entropy_estimator == "reference" and self.entropy_reduce != "sum":
+            raise ValueError("rollout.entropy_estimator=reference is the authors' sum over the "
+                             "window; it needs rollout.entropy_reduce=sum")
+        return self
 
 
 class SimConfig(_Section):

@@ -21,6 +21,9 @@ class RunConfig(_Section):
         "start", description="when run.time_limit_s starts counting: at the learner's start, or "
         "once this learner's first step is done (start-up, whose length depends on the "
         "machine's load, then costs no training time: for comparing runs)")
+    tool_call_budget: int = Field(
+        0, ge=0, description="stop the RL stage once the groups trained have executed this "
+        "many tool calls (0: no limit), to compare rollouts at equal tool cost")
     probe_logprobs: bool = Field(
         False, description="log actor and learner log-probs of a fixed sequence per weight version"
     )
@@ -67,6 +70,15 @@ class PipelineConfig(_Section):
     suite_heldout: int = Field(300, ge=1, description="held-out prompts")
     suite_direct: float = Field(
         0.0, ge=0, le=1, description="share of SFT traces answering from memory, no tool")
+    suite_noise: float = Field(
+        0.0, ge=0, le=1, description="noisy suite: share of search query strings the suite's "
+        "retriever answers with a wrong entity's documents (toolenv/tasks/suite.py)")
+    suite_slips: float = Field(
+        0.0, ge=0, le=1, description="noisy suite: share of SFT Python snippets with a slipped "
+        "operand (a wrong result)")
+    suite_recover: float = Field(
+        0.5, ge=0, le=1, description="noisy suite: share of SFT traces that check a wrong tool "
+        "result (search again, run the snippet again) instead of answering with it")
     sft: bool = Field(True, description="cold-start SFT on the suite's traces before RL")
     sft_time_s: float = Field(150.0, ge=0, description="SFT training seconds (0: use sft_steps)")
     sft_steps: int = Field(0, ge=0, description="SFT optimizer steps (0: use sft_time_s)")
