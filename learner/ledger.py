@@ -18,8 +18,7 @@ here only count, and return what the caller has to release.
 
 State for checkpoints and ``RUN_DIR/state.json`` is JSON: ``{actor_id: {"pid",
 "received_total", "trained", "dropped", "sent_by_pid", "received_by_pid",
-"data_pos"}}`` with string keys (the layout learner/service.py wrote before this module
-existed, unchanged). Tickets are not saved: they belong to the learner process that
+"data_pos"}}`` with string keys (checkpoints of every version read alike). Tickets are not saved: they belong to the learner process that
 granted them.
 """
 

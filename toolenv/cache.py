@@ -24,8 +24,8 @@ Locks. The calls are synchronous and the runner makes them on the actor's event 
 so no operation waits more than ``LOCK_WAIT_S`` for another process's write lock: it
 raises ``diskcache.Timeout`` (the runner counts a lookup or store error and the call goes
 on) and a counter update is skipped (``counter_skips``). diskcache's default (60 s busy
-timeout, retried for ever with ``retry=True``) froze every other actor's loop while one
-actor holding the lock was stopped (issue 17). Hit/miss/set counters are kept twice: in this process
+timeout, retried for ever with ``retry=True``) would freeze every other actor's loop while
+one actor holding the lock is stopped. Hit/miss/set counters are kept twice: in this process
 (with get/set latency) and persistently, across processes, in a small counter cache next
 to the entries, updated with diskcache's atomic ``incr``.
 """

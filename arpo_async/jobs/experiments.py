@@ -13,7 +13,7 @@ start a batch only once the learner has published the weights of the previous st
 simulated engine (``actors.engine=simulated``; all actors of a run in one process unless
 ``sim.actors_per_process`` is given), so large actor counts fit on one machine.
 
-``python -m arpo_async.jobs.experiments chaos ...`` is the chaos soak (issue 17): a real
+``python -m arpo_async.jobs.experiments chaos ...`` is the chaos soak: a real
 run under seeded random faults, then a verdict (arpo_async/jobs/chaos.py).
 
 What the columns mean (``summarize_run``; the first learner step includes start-up, so
@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     from arpo_async.jobs import chaos
 
     chaos.add_arguments(sub.add_parser(
-        "chaos", help="a real run under seeded random faults, then a verdict (issue 17)",
+        "chaos", help="a real run under seeded random faults, then a verdict",
         description=chaos.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     args = p.parse_args(argv)
     if args.cmd == "chaos":

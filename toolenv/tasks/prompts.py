@@ -1,4 +1,4 @@
-"""Prompt sources for actors: the built-in arithmetic task, data files, and (issue 5) the
+"""Prompt sources for actors: the built-in arithmetic task, data files, and the
 synthetic tool suite. A source yields ``Prompt``s (question, gold answers, chat-templated
 token ids) from a seeded generator and scores a finished response.
 
