@@ -21,7 +21,7 @@ time on ``arpo``.
 
 Part 2, log-prob memory at V = 151,936, L = 4096 tokens: an output layer (hidden 128,
 fp32) and the log-prob of each next token with its backward, unchunked (the padded
-path's ``token_logprobs``: full fp32 log_softmax of [L, V]) against
+path as it was: full fp32 log_softmax of [L, V]) against
 ``learner.logprobs.chunked_logprobs`` with the default ``learner.logprob_chunk_tokens``
 (512) and with 1024-token chunks; peak RSS growth in a fresh process each. The ratio
 uses the default.
@@ -161,7 +161,6 @@ def logprob_memory(chunk: int, length: int = 4096, vocab: int = 151936, hidden: 
                    ) -> dict:
     import torch
 
-    from learner.batching import token_logprobs
     from arpo_async.core.logits import chunked_logprobs
 
     torch.set_num_threads(1)
@@ -174,7 +173,8 @@ def logprob_memory(chunk: int, length: int = 4096, vocab: int = 151936, hidden: 
     base = _rss_kb()
     t0 = time.perf_counter()
     if chunk == 0:
-        logp = token_logprobs(head(h)[None], ids)[0]
+        full = torch.log_softmax(head(h[:-1]).float(), dim=-1)  # the [L, V] fp32 path
+        logp = full.gather(-1, ids[0, 1:, None])[:, 0]
     else:
         logp, _ = chunked_logprobs(head, h[:-1], ids[0, 1:], 1.0, chunk)
     logp.sum().backward()

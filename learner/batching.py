@@ -123,13 +123,3 @@ def collate(samples: list[LeafSample], pad_id: int) -> Batch:
         behaviour[i, p - 1:p - 1 + r] = torch.from_numpy(s.behaviour)
         adv[i, p - 1:p - 1 + r] = torch.from_numpy(s.advantages)
     return Batch(ids, attn, weight, behaviour, adv)
-
-
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor,
-                   temperature: float = 1.0) -> torch.Tensor:
-    """Log-prob of each next token, [B, L-1], from logits [B, L, V] (fp32 softmax)."""
-    logits = logits[:, :-1].float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp = torch.log_softmax(logits, dim=-1)
-    return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)

@@ -18,8 +18,8 @@ here only count, and return what the caller has to release.
 
 State for checkpoints and ``RUN_DIR/state.json`` is JSON: ``{actor_id: {"pid",
 "received_total", "trained", "dropped", "sent_by_pid", "received_by_pid",
-"data_pos"}}`` with string keys (checkpoints of every version read alike). Tickets are not saved: they belong to the learner process that
-granted them.
+"data_pos"}}`` with string keys (checkpoints of every version read alike). Tickets are
+not saved: they belong to the learner process that granted them.
 """
 
 from __future__ import annotations

@@ -24,9 +24,9 @@ import logging
 import torch
 import torch.distributed as dist
 
-from arpo_async.core.entropy import entropy_from_logits
+from arpo_async.core.logits import causal_lm_logprobs
 from learner import tree_attention as TA
-from learner.batching import Batch, LeafSample, balanced_split, collate, token_logprobs
+from learner.batching import Batch, LeafSample, balanced_split, collate
 from learner.device import to_device
 from learner.logprobs import packed_forward, packed_step_loss
 from learner.losses import LossInputs, policy_loss
@@ -38,24 +38,26 @@ log = logging.getLogger("learner")
 Loss = tuple[torch.Tensor, dict[str, float]]
 
 
-def padded_forward(model, batch: Batch, temperature: float, entropy: bool
+def padded_forward(model, batch: Batch, temperature: float, entropy: bool, chunk: int = 0
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(log-probs [B, L-1], entropies or None) of a padded batch: the full logits."""
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
-    logp = token_logprobs(out.logits, batch.input_ids, temperature)
-    if not entropy:
-        return logp, None
-    return logp, entropy_from_logits(out.logits[:, :-1].float() / temperature)
+    """(log-probs [B, L-1], entropies or None) of a padded batch, every position through
+    the output layer ``chunk`` at a time (arpo_async/core/logits.py; 0: all at once), the
+    model's own [B, L, V] logits never built."""
+    stats = causal_lm_logprobs(model, batch.input_ids, attention_mask=batch.attention_mask,
+                               temperature=temperature, chunk=chunk, entropy=entropy)
+    return stats.logp, stats.entropy
 
 
 def padded_step_loss(model, batch: Batch, settings, temperature: float, normaliser: float,
                      proximal: torch.Tensor | None = None, ref: torch.Tensor | None = None,
-                     batch_entropy_stats: tuple[float, float] | None = None) -> Loss:
+                     batch_entropy_stats: tuple[float, float] | None = None,
+                     chunk: int = 0) -> Loss:
     """The loss of one padded micro-batch (the reference the packed paths must equal);
     ``ref``: reference log-probs (KL), ``batch_entropy_stats``: the whole batch's entropy
     (mean, std) for AEPO's entropy-aware advantage (None: this micro-batch's own)."""
     logp, entropy = padded_forward(model, batch, temperature,
-                                   bool(settings.entropy_coef or settings.aepo_entropy_adv_gamma))
+                                   bool(settings.entropy_coef or settings.aepo_entropy_adv_gamma),
+                                   chunk)
     inputs = LossInputs(
         logprobs=logp, behaviour_logprobs=batch.behaviour, proximal_logprobs=proximal,
         advantages=batch.advantages, loss_mask=batch.weight, ref_logprobs=ref, entropy=entropy)
@@ -69,6 +71,10 @@ class PaddedStrategy:
     def __init__(self, cfg, pad_id: int, device: torch.device):
         self.count, self.pad_id, self.device = cfg.learner.micro_batches, pad_id, device
         self.settings, self.temperature = cfg.learner.loss.settings(), cfg.sampling.temperature
+        # Under ZeRO-3 on several ranks every call of the output layer is a collective, and
+        # padded ranks hold different numbers of positions: one call per micro-batch.
+        several = cfg.learner.zero_stage == 3 and cfg.learner.world_size > 1
+        self.chunk = 0 if several else cfg.learner.logprob_chunk_tokens
 
     def prepare(self, model) -> None:
         """Nothing: the model's own attention takes the padding mask."""
@@ -80,12 +86,12 @@ class PaddedStrategy:
     @torch.no_grad()
     def logprobs(self, model, batch: Batch, entropy: bool
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return padded_forward(model, batch, self.temperature, entropy)
+        return padded_forward(model, batch, self.temperature, entropy, self.chunk)
 
     def loss(self, model, batch: Batch, normaliser: float, proximal, ref,
              entropy_stats) -> Loss:
         return padded_step_loss(model, batch, self.settings, self.temperature, normaliser,
-                                proximal, ref, entropy_stats)
+                                proximal, ref, entropy_stats, self.chunk)
 
     def copies(self, batch: Batch) -> torch.Tensor:
         return (batch.weight > 0).to(torch.float64)

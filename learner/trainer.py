@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 from arpo_async.core.config import Config
-from learner.batching import LeafSample, balanced_split, token_logprobs
+from arpo_async.core.logits import causal_lm_logprobs
+from learner.batching import LeafSample, balanced_split
 from learner.device import model_load_kwargs, prepare_model, setup_device
 from learner.losses import entropy_moments, stats_from_moments
 from learner.reference import ReferencePolicy
@@ -297,6 +298,7 @@ class PolicyTrainer:
     def sequence_logprobs(self, prompt: list[int], tokens: list[int]) -> list[float]:
         """Log-probs of ``tokens`` after ``prompt`` at temperature 1 (actor agreement check)."""
         ids = torch.tensor([prompt + tokens], dtype=torch.long, device=self.device)
-        out = self.engine(input_ids=ids, attention_mask=torch.ones_like(ids))
-        logp = token_logprobs(out.logits, ids)[0]
-        return logp[len(prompt) - 1:].tolist()
+        select = torch.zeros(1, ids.shape[1] - 1, dtype=torch.bool, device=self.device)
+        select[0, len(prompt) - 1:] = True  # the positions that predict ``tokens``
+        return causal_lm_logprobs(self.engine, ids, select, torch.ones_like(ids),
+                                  chunk=self.cfg.learner.logprob_chunk_tokens).logp.tolist()

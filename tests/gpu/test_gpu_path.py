@@ -63,7 +63,8 @@ def test_learner_device_helpers_train_on_the_gpu(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from arpo_async.core.config import config_from_dict
-    from learner.batching import LeafSample, collate, token_logprobs
+    from arpo_async.core.logits import causal_lm_logprobs
+    from learner.batching import LeafSample, collate
     from learner.device import (
         attn_implementation,
         model_load_kwargs,
@@ -85,8 +86,9 @@ def test_learner_device_helpers_train_on_the_gpu(tiny_model_dir):
                           np.ones(n, np.float32), np.zeros(n, np.float32),
                           np.ones(n, np.float32), np.zeros(n, np.int32)) for n in (3, 8)]
     batch = to_device(collate(samples, pad_id=0), device)
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
-    loss = -(token_logprobs(out.logits, batch.input_ids) * batch.weight).sum()
+    logp = causal_lm_logprobs(model, batch.input_ids, attention_mask=batch.attention_mask,
+                              chunk=512).logp
+    loss = -(logp * batch.weight).sum()
     loss.backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads)
