@@ -174,10 +174,14 @@ def causal_lm_logprobs(model, input_ids: torch.Tensor, select: torch.Tensor | No
                 logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device))
     hidden = out.hidden_states[-1][:, :-1]  # [B, L-1, H], after the final norm
     targets = input_ids[:, 1:]
-    head = model.get_output_embeddings()
+    head = getattr(model, "module", model).get_output_embeddings()  # a DeepSpeed engine too
     if select is None:
         b, n = targets.shape
         stats = target_stats(head, hidden.reshape(b * n, -1), targets.reshape(-1),
                              temperature, chunk, entropy, hit)
-        return TargetStats(*(None if x is None else x.view(b, n) for x in stats))
-    return target_stats(head, hidden[select], targets[select], temperature, chunk, entropy, hit)
+        stats = TargetStats(*(None if x is None else x.view(b, n) for x in stats))
+    else:
+        stats = target_stats(head, hidden[select], targets[select], temperature, chunk,
+                             entropy, hit)
+    # DeepSpeed starts its backward bookkeeping from the model's outputs (the empty logits)
+    return stats._replace(logp=stats.logp + out.logits.float().sum() * 0.0)
