@@ -2,7 +2,7 @@
 actors/weights/zeromq.py).
 
 Each published version is encoded once (a msgpack header plus one raw frame per tensor,
-arpo_async/core/protocol.py) and every ``WeightsRequest`` newer than the asker's version
+arpo_async/core/protocol/) and every ``WeightsRequest`` newer than the asker's version
 is answered with the same frames, which the control server sends uncopied
 (``Encoded``): no copy per actor. An asker that is up to date gets ``Ack(ok=True)`` with
 the published version."""

@@ -1,0 +1,276 @@
+"""The message schemas: every message that crosses a process boundary, a typed dataclass
+with a ``KIND``, and the reasons and exit codes peers act on (pure: numpy only).
+
+Fields are only ever added, with defaults, so an older peer still decodes a newer
+message. Defaults are evaluated per message (``default_factory``), never at import."""
+
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum, IntEnum
+from typing import ClassVar
+
+import numpy as np
+
+
+
+class ProtocolError(ValueError):
+    """A message that cannot be accepted; ``reason`` is a short counter key."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+# ----------------------------------------------------------------------------- words
+
+
+class GrantReason(str, Enum):
+    """Why a ``TicketGrant`` holds fewer tickets than asked for (NONE: all granted).
+    On the wire it is its string value, so older peers read it unchanged."""
+
+    NONE = ""
+    CAPACITY = "capacity"  # the staleness bound (staleness.py): tickets free up as it trains
+    STALE_WEIGHTS = "stale_weights"  # the actor's weights are too old: fetch new ones first
+    STALE_AHEAD = "stale_ahead"  # the actor is ahead of a restarted learner: fetch its weights
+    HELLO_REQUIRED = "hello_required"  # the learner has not met this actor process: say Hello
+    WAITING_FOR_ACTORS = "waiting_for_actors"  # the start gate waits for the other actors
+    FAIR_SHARE = "fair_share"  # this actor holds its share of the staleness window
+    STOPPING = "stopping"  # the run is over (``stop`` is set too)
+
+    @classmethod
+    def of(cls, value: str) -> GrantReason | None:
+        """The reason a peer sent, or None for one this version does not know."""
+        return cls._value2member_map_.get(value)
+
+    @property
+    def needs_weights(self) -> bool:
+        """The actor must fetch the published weights before it asks again."""
+        return self in (GrantReason.STALE_WEIGHTS, GrantReason.STALE_AHEAD)
+
+    @property
+    def busy(self) -> bool:
+        """Tickets free up by themselves as the learner trains: ask again soon."""
+        return self is GrantReason.CAPACITY
+
+
+class AckReason(str, Enum):
+    """The ``Ack.reason`` values a peer acts on; any other reason is a detail to log."""
+
+    HELLO_REQUIRED = "hello_required"  # the learner has not met this actor process
+    BAD_REQUEST = "bad_request"  # a negative actor id or count: refused, counted
+    NO_FAST_WEIGHTS = "no_fast_weights"  # NCCL weights asked of a learner.weight_sync=zmq run
+
+
+class ExitCode(IntEnum):
+    """How a role process (learner, actor) ends, for the supervisor."""
+
+    OK = 0  # finished: the learner ended the run, or reached its steps or time
+    FAILED = 1  # an error: the supervisor restarts the role (with backoff)
+    CONFIG = 2  # bad config or arguments: a restart would fail the same way
+    # EX_UNAVAILABLE: an actor heard nothing from the learner for transport.connect_timeout_s
+    # (its host vanished, or the run ended unseen); a restart would only wait as long again
+    LEARNER_GONE = 69
+    RESTART = 75  # EX_TEMPFAIL: the process cannot go on (a stuck NCCL group); restart it
+    INTERRUPTED = 130  # Ctrl-C / SIGTERM
+
+
+# ----------------------------------------------------------------------------- messages
+
+
+@dataclass
+class Trajectory:
+    """One leaf of a group's tree. Arrays cover the response only (everything after
+    the prompt): model tokens (mask 1) and tool-result tokens (mask 0)."""
+
+    tokens: np.ndarray  # int32 token ids
+    loss_mask: np.ndarray  # uint8, 1 = model token, 0 = tool-result token
+    logprobs: np.ndarray  # float32 behaviour log-prob (0 where mask is 0)
+    versions: np.ndarray  # int32 policy version that sampled the token (-1 where mask is 0)
+    reward: float = 0.0
+    score: float = 0.0  # correctness in [0, 1] (accuracy), separate from shaped reward
+    parent: int = -1  # index of the leaf this one forked from, -1 for a global sample
+    branch_point: int = 0  # response tokens shared with the parent
+    tool_calls: int = 0  # tool calls in this leaf (shared prefix included)
+    finish_reason: str = ""
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@dataclass
+class TrajectoryGroup:
+    """All leaves sampled for one prompt, sent as one message."""
+
+    KIND: ClassVar[str] = "group"
+    group_id: str
+    actor_id: int
+    prompt_id: str
+    prompt_tokens: np.ndarray  # int32
+    leaves: list[Trajectory]
+    mode: str = "grpo"
+    tool_calls_executed: int = 0  # calls actually run (shared prefixes not re-run)
+    created_at: float = field(default_factory=time.time)
+    sent_at: float = 0.0
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def min_version(self) -> int:
+        versions = [leaf.versions[leaf.loss_mask > 0] for leaf in self.leaves]
+        versions = [v for v in versions if v.size]
+        return int(min(v.min() for v in versions)) if versions else -1
+
+    def num_tokens(self) -> int:
+        return sum(len(leaf) for leaf in self.leaves)
+
+
+@dataclass
+class Hello:
+    KIND: ClassVar[str] = "hello"
+    actor_id: int
+    pid: int
+    host: str = ""
+    version: int = -1
+    sent_at: float = field(default_factory=time.time)
+
+
+@dataclass
+class Heartbeat:
+    KIND: ClassVar[str] = "heartbeat"
+    actor_id: int
+    version: int
+    stats: dict[str, float] = field(default_factory=dict)
+    sent_at: float = field(default_factory=time.time)
+
+
+@dataclass
+class TicketRequest:
+    """An actor asks to start ``n`` groups (admission control, staleness.py)."""
+
+    KIND: ClassVar[str] = "ticket_request"
+    actor_id: int
+    version: int
+    n: int = 1
+
+
+@dataclass
+class TicketGrant:
+    KIND: ClassVar[str] = "ticket_grant"
+    granted: int
+    learner_version: int  # version of the newest published weights
+    stop: bool = False  # the run is over: finish up and say Bye
+    reason: str = ""
+
+
+@dataclass
+class WeightsRequest:
+    KIND: ClassVar[str] = "weights_request"
+    actor_id: int
+    have_version: int
+
+
+@dataclass
+class WeightsUpdate:
+    """Full weights; ``tensors`` maps parameter name to array (raw frames).
+
+    numpy has no bfloat16, so a bfloat16 tensor travels as its raw bits in a uint16 array
+    (``torch_tensor.view(torch.uint16).numpy()``) and its name is listed in
+    ``bf16_names``; the receiver gets the same uint16 array and the same list back and
+    restores it with ``torch.from_numpy(arr).view(torch.bfloat16)``.
+    """
+
+    KIND: ClassVar[str] = "weights"
+    version: int
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    sent_at: float = field(default_factory=time.time)
+    bf16_names: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Bye:
+    """An actor's last word: how many groups it sent in total (for exact accounting)."""
+
+    KIND: ClassVar[str] = "bye"
+    actor_id: int
+    groups_sent: int
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Ack:
+    KIND: ClassVar[str] = "ack"
+    ok: bool = True
+    reason: str = ""
+    learner_version: int = -1
+
+
+@dataclass
+class ConfigRequest:
+    """An actor started on another machine (``launch actor --connect``) asks for the run's
+    resolved config; ``actor_id`` -1 asks the learner to assign one."""
+
+    KIND: ClassVar[str] = "config_request"
+    actor_id: int = -1
+    host: str = ""
+    pid: int = 0
+
+
+@dataclass
+class ConfigReply:
+    KIND: ClassVar[str] = "config_reply"
+    config_yaml: str  # the learner's RUN_DIR/config.yaml
+    actor_id: int  # the id this actor runs as
+
+
+@dataclass
+class NcclJoinRequest:
+    """A vLLM GPU actor asks to receive weights over NCCL (learner.weight_sync=nccl)."""
+
+    KIND: ClassVar[str] = "nccl_join"
+    actor_id: int
+    machine_id: str  # the kernel boot id: equal only on the same machine
+    workers: int = 1  # the actor's vLLM worker processes (tensor parallel size)
+
+
+@dataclass
+class NcclJoinReply:
+    """``ok``: join the group now (vLLM's NCCL weight-transfer init info); else ``reason``
+    says why the actor keeps ZeroMQ."""
+
+    KIND: ClassVar[str] = "nccl_join_reply"
+    ok: bool
+    reason: str = ""
+    master_address: str = ""
+    master_port: int = 0
+    world_size: int = 0
+    buffer_bytes: int = 0
+    num_buffers: int = 0
+
+
+@dataclass
+class NcclWeightsRequest:
+    """Sent at the actor's safe point: weights newer than ``have_version``, over NCCL."""
+
+    KIND: ClassVar[str] = "nccl_weights_request"
+    actor_id: int
+    have_version: int
+
+
+@dataclass
+class NcclWeightsHeader:
+    """What the broadcast that follows carries, in order (vLLM's update info)."""
+
+    KIND: ClassVar[str] = "nccl_weights_header"
+    version: int
+    names: list[str] = field(default_factory=list)
+    dtype_names: list[str] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
+
+
+MESSAGES = {
+    cls.KIND: cls
+    for cls in (TrajectoryGroup, Hello, Heartbeat, TicketRequest, TicketGrant,
+                WeightsRequest, WeightsUpdate, Bye, Ack, ConfigRequest, ConfigReply,
+                NcclJoinRequest, NcclJoinReply, NcclWeightsRequest, NcclWeightsHeader)
+}
