@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from arpo_async.core.config import Config
 from learner.batching import LeafSample, balanced_split, token_logprobs
@@ -113,8 +114,7 @@ class _BeforeUpdate:
 
 class PolicyTrainer:
     def __init__(self, cfg: Config, model_path: str):
-        import deepspeed
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        import deepspeed  # deepspeed: after learner/dist.py has set DS_ACCELERATOR
 
         self.cfg = cfg
         self.rank = dist.get_rank() if dist.is_initialized() else 0
