@@ -36,6 +36,9 @@ import os
 import statistics
 from pathlib import Path
 
+from arpo_async.core.rundir import complete_checkpoints
+from toolenv.cache import ToolCache
+
 RESTART_CAP_S = 30.0  # arpo_async/launcher/supervisor.py _backoff
 
 
@@ -171,10 +174,9 @@ def check_staleness(run_dir: Path, cfg) -> dict:
 
 
 def check_checkpoints(run_dir: Path) -> dict:
+    # torch, transformers: heavy; only this check loads a model
     import torch
     from transformers import AutoModelForCausalLM
-
-    from arpo_async.core.rundir import complete_checkpoints
 
     bad, good = [], 0
     for ckpt in complete_checkpoints(run_dir):
@@ -188,8 +190,6 @@ def check_checkpoints(run_dir: Path) -> dict:
 
 
 def check_cache(cache_dir: Path) -> dict:
-    from toolenv.cache import ToolCache
-
     if not (cache_dir / "cache.db").is_file():
         return {"ok": True, "value": "no cache written"}
     with ToolCache(cache_dir) as cache:

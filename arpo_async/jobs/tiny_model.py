@@ -55,6 +55,17 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    pre_tokenizers,
+    trainers,
+)
+
+from arpo_async.jobs.qwen_tokenizer import resolve_tokenizer_dir
 from toolenv.tags import format_result
 from toolenv.tasks.suite import COMMON_WORDS
 
@@ -239,15 +250,7 @@ def build_tokenizer(vocab: int, seed: int = 0, corpus: Iterable[str] | None = No
     larger ``vocab`` needs more text in ``corpus``, else the tokenizer comes out smaller
     (a warning says so) and the model's vocabulary follows the tokenizer.
     ``tags_as_text``: no tag tokens; the tags stay in the training text (module docstring)."""
-    from tokenizers import (
-        AddedToken,
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        trainers,
-    )
+    # transformers: heavy; the launcher imports this module
     from transformers import PreTrainedTokenizerFast
 
     tags = [] if tags_as_text else ARPO_TAGS
@@ -305,7 +308,7 @@ def build_tiny_model(
     tokenizer folder (or ``qwen3``, arpo_async/jobs/qwen_tokenizer.py) to build the body
     around instead of training one (``vocab``, ``corpus`` and ``tags_as_text`` are then
     unused); the output layer gets ``padded_vocab_size`` rows. Returns the folder."""
-    import torch
+    import torch  # torch: heavy; the launcher imports this module
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
     kv_heads = kv_heads if kv_heads is not None else max(1, heads // 2)
@@ -376,8 +379,6 @@ def padded_vocab_size(tokenizer: Any) -> int:
 
 def _real_tokenizer(tokenizer_dir: str | Path, scratch_parent: Path) -> Any:
     from transformers import AutoTokenizer
-
-    from arpo_async.jobs.qwen_tokenizer import resolve_tokenizer_dir
 
     scratch_parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=scratch_parent) as scratch:
