@@ -37,6 +37,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from arpo_async.core.config import Config
 from learner.batching import LeafSample, balanced_split, token_logprobs
+from learner.checkpoint import export_hf, tensors_from_numpy
 from learner.device import model_load_kwargs, prepare_model, setup_device
 from learner.losses import entropy_moments, stats_from_moments
 from learner.reference import ReferencePolicy
@@ -274,8 +275,6 @@ class PolicyTrainer:
         """Write this engine's state into ``folder`` (prepared by learner/checkpoint.py):
         the HF model files (rank 0, weights gathered under ZeRO-3) and DeepSpeed's own
         checkpoint (every rank its shard: fp32 weights and optimizer state); collective."""
-        from learner.checkpoint import export_hf, tensors_from_numpy
-
         state = self.full_state()
         if self.rank == 0:
             export_hf(folder, tensors_from_numpy(state, self.cfg.model.dtype == "bfloat16"),
