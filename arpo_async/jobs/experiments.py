@@ -25,8 +25,9 @@ spent waiting for a ticket (admission), actor_blocked_frac: slot time blocked se
 (backpressure), both sum(idle) / sum(elapsed * slots) over actors from their last stats,
 where slots is 1 (the admission loop) with trajectory-level scheduling and
 actors.concurrent_groups with group slots (``admission_slots``); generating_frac: the
-actors' time-averaged trajectories generating over their actors.max_inflight_trajectories; staleness_mean/max over trained groups; dropped_stale and dropped_other
-(groups dropped for a reason other than staleness, stopping excluded) and
+actors' time-averaged trajectories generating over their
+actors.max_inflight_trajectories; staleness_mean/max over trained groups; dropped_stale
+and dropped_other (groups dropped for a reason other than staleness, stopping excluded) and
 dropped_at_stop (in flight when the run ended); reward_last and accuracy_last: mean of
 the last three steps; ledger_ok: every actor's sent == received == trained + dropped.
 """
@@ -53,8 +54,8 @@ COLUMNS = [
     "name", "mode", "actors", "max_staleness", "engine", "status", "steps", "wall_time_s",
     "window_s", "trajectories_per_s", "groups_per_s", "model_tokens_per_s", "learner_busy_frac",
     "learner_wait_frac", "actor_idle_frac", "actor_blocked_frac", "generating_frac",
-    "staleness_mean", "staleness_max", "dropped_stale", "dropped_other", "dropped_at_stop", "reward_first",
-    "reward_last", "accuracy_last", "ledger_ok",
+    "staleness_mean", "staleness_max", "dropped_stale", "dropped_other", "dropped_at_stop",
+    "reward_first", "reward_last", "accuracy_last", "ledger_ok",
 ]
 _GRID_KEYS = ("actors.num", "learner.max_staleness")
 

@@ -102,7 +102,8 @@ MIN_HEAD_DIM = 32  # vLLM's CPU attention refuses 16 ("Unsupported CPU attention
 CORPUS_LINES = 10000  # enough for a 2048-entry vocabulary; ~2.5k is the most it reaches
 
 _WORDS = list(COMMON_WORDS)
-_SYLLABLES = [c + v for c in "bcdfghklmnprstvwz" for v in ("a", "e", "i", "o", "u", "ar", "en", "on")]
+_SYLLABLES = [c + v for c in "bcdfghklmnprstvwz"
+              for v in ("a", "e", "i", "o", "u", "ar", "en", "on")]
 
 
 def _pseudo_words(rng: random.Random, n: int) -> list[str]:
@@ -256,7 +257,8 @@ def build_tokenizer(vocab: int, seed: int = 0, corpus: Iterable[str] | None = No
     tags = [] if tags_as_text else ARPO_TAGS
     n_fixed = len(SPECIAL_TOKENS) + len(tags)
     if vocab < 256 + n_fixed + 1:
-        raise ValueError(f"vocab={vocab}: must exceed the 256 byte symbols + {n_fixed} fixed tokens")
+        raise ValueError(f"vocab={vocab}: must exceed the 256 byte symbols + {n_fixed} "
+                         "fixed tokens")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(QWEN_SPLIT_REGEX), behavior="isolated"),
@@ -316,7 +318,8 @@ def build_tiny_model(
         raise ValueError(f"hidden={hidden}, heads={heads}, kv_heads={kv_heads}: must divide evenly")
     head_dim = hidden // heads
     if head_dim < MIN_HEAD_DIM:
-        raise ValueError(f"head_dim = hidden/heads = {head_dim}: vLLM on CPU needs >= {MIN_HEAD_DIM}")
+        raise ValueError(f"head_dim = hidden/heads = {head_dim}: vLLM on CPU needs "
+                         f">= {MIN_HEAD_DIM}")
     out = Path(out_dir)
     if out.exists():
         raise FileExistsError(f"{out} already exists: remove it or choose another folder")
@@ -419,7 +422,8 @@ def ensure_model(path: str | Path, cfg_model: Any) -> Path:
     if _HUB_NAME.match(str(path)) and not Path(str(path).split("/")[0]).exists():
         return p
     raise FileNotFoundError(
-        f"model.path: {p} does not exist (set model.build_if_missing=true to build a tiny local model)"
+        f"model.path: {p} does not exist (set model.build_if_missing=true to build a tiny "
+        "local model)"
     )
 
 
