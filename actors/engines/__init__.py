@@ -1,8 +1,9 @@
 """Generation engines behind one interface (base.py): vLLM (vllm_engine.py), transformers
 (hf_engine.py), a simulated engine for throughput experiments (sim_engine.py) and any
 OpenAI-compatible server (endpoint_engine.py). ``build_engine`` picks the one
-``actors.engine`` names. The engines import vLLM and torch only when they start, and the
-transformers engine, which imports torch at its top, is imported only when chosen."""
+``actors.engine`` names. The vLLM and simulated engines import vLLM, torch and
+transformers only once they start; the transformers engine, which imports torch at its
+top, is imported only when chosen."""
 
 from __future__ import annotations
 
