@@ -12,6 +12,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+
+import numpy as np
+
+from actors.actor import Actor
+from actors.engines import build_engine
+from actors.rollout import PlainRollout
+from arpo_async.core.config import load_config
+from arpo_async.core.keys import client_keys_for
+from arpo_async.core.protocol import ExitCode
+from arpo_async.core.rundir import record_exit
+from arpo_async.core.transport.control import ControlClient, TransportTimeout
+from arpo_async.core.transport.trajectory import TrajectorySender
+from toolenv.runner import build_tools
+from toolenv.tasks.prompts import PromptSource
 
 log = logging.getLogger("actor")
 
@@ -19,31 +34,19 @@ log = logging.getLogger("actor")
 def build_rollout(cfg, engine, source, tokenizer, tools, rng):
     """Plain sampling without tools; the tool-interleaved rollout otherwise."""
     if not cfg.tools.offered and cfg.rollout.mode == "grpo":
-        from actors.rollout import PlainRollout
-
         return PlainRollout(cfg, engine, source, tokenizer, rng)
-    from actors.agent_rollout import AgentRollout
+    from actors.agent_rollout import AgentRollout  # it imports torch: not for --help
 
     return AgentRollout(cfg, engine, source, tokenizer, tools, rng)
 
 
 async def run_actor(cfg, actor_id: int) -> None:
-    import numpy as np
-    from transformers import AutoTokenizer
-
-    from actors.actor import Actor
-    from actors.engines import build_engine
-    from arpo_async.core.keys import client_keys_for
-    from arpo_async.core.transport.control import ControlClient
-    from arpo_async.core.transport.trajectory import TrajectorySender
-    from toolenv.tasks.prompts import PromptSource
+    from transformers import AutoTokenizer  # transformers: heavy, not for --help
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     engine = await build_engine(cfg, cfg.model.path, actor_id)
     tools = None
     if cfg.tools.offered:
-        from toolenv.runner import build_tools
-
         tools = build_tools(cfg.tools, cfg.run.dir)
     rng = np.random.default_rng([cfg.run.seed, cfg.rollout.branch_seed + actor_id])
     source = PromptSource(cfg, tokenizer, stream=actor_id)
@@ -98,13 +101,6 @@ def main(argv: list[str] | None = None) -> int:
     ids = [args.actor_id] if args.actor_ids is None else parse_ids(args.actor_ids)
     name = f"actor{ids[0]}" if len(ids) == 1 else f"actors{ids[0]}-{ids[-1]}"
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(name)s %(message)s")
-    import os
-
-    from arpo_async.core.config import load_config
-    from arpo_async.core.protocol import ExitCode
-    from arpo_async.core.rundir import record_exit
-    from arpo_async.core.transport.control import TransportTimeout
-
     cfg = load_config(args.config)
     try:
         asyncio.run(run_actors(cfg, ids))

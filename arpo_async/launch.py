@@ -30,13 +30,21 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+from arpo_async.core.config import ConfigError, describe, load_config
+from arpo_async.jobs.pipeline import USER_CONFIG
+from arpo_async.jobs.pipeline import run as run_pipeline
+from arpo_async.jobs.preflight import prepare_run
+from arpo_async.launcher.plan import dry_run
+from arpo_async.launcher.remote import main as actor_main
+from arpo_async.launcher.slurm import run_slurm
+from arpo_async.launcher.supervisor import LaunchRequest, launch
 
 EPILOG = "config keys (set any with key=value):\n"
 
 
 def _parser() -> argparse.ArgumentParser:
-    from arpo_async.core.config import describe
-
     p = argparse.ArgumentParser(
         prog="python -m arpo_async.launch", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -64,11 +72,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def _is_pipeline(args) -> bool:
     """The whole job (arpo_async/jobs/pipeline.py) or the RL stage alone (supervisor)?"""
-    from pathlib import Path
-
-    from arpo_async.core.config import load_config
-    from arpo_async.jobs.pipeline import USER_CONFIG
-
     if args.resume:
         return (Path(args.resume) / USER_CONFIG).is_file()
     return load_config(args.config, args.overrides).pipeline.enabled
@@ -77,34 +80,18 @@ def _is_pipeline(args) -> bool:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["actor"]:  # an actor on another machine (arpo_async/launcher/remote.py)
-        from arpo_async.launcher.remote import main as actor_main
-
         return actor_main(argv[1:])
     args = _parser().parse_args(argv)
-    from arpo_async.core.config import ConfigError
-
     if args.emit and not args.slurm:
         print("--emit writes a Slurm script: pass --slurm too", file=sys.stderr)
         return 2
     try:
         if args.slurm:
-            from arpo_async.jobs.preflight import prepare_run
-            from arpo_async.launcher.slurm import run_slurm
-
             return run_slurm(args, prepare=prepare_run)
         if args.dry_run:
-            from arpo_async.launcher.plan import dry_run
-
-            from arpo_async.jobs.preflight import prepare_run
-
             return dry_run(args, prepare_run)
         if _is_pipeline(args):
-            from arpo_async.jobs.pipeline import run
-
-            return run(args)
-        from arpo_async.jobs.preflight import prepare_run
-        from arpo_async.launcher.supervisor import LaunchRequest, launch
-
+            return run_pipeline(args)
         req = LaunchRequest(config=args.config, overrides=args.overrides, resume=args.resume,
                             quiet=args.quiet, dry_run=args.dry_run)
         return launch(req, prepare=prepare_run)

@@ -121,6 +121,8 @@ def write_checkpoint(run_dir: str | Path, step: int, write: Callable[[Path], Non
 def export_hf(dest: Path, tensors: dict, model_path: str | Path) -> None:
     """Write ``tensors`` (name -> torch tensor, HF names) as ``model.safetensors`` and copy
     the config and tokenizer files of ``model_path`` next to it."""
+    # safetensors.torch, torch: only the weights need them; writers without torch use
+    # the rest (tests/integration/faults_crash_writer.py)
     import safetensors.torch
 
     src = Path(model_path)

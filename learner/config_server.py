@@ -9,6 +9,10 @@ from __future__ import annotations
 import logging
 import time
 
+import yaml
+
+from arpo_async.core import protocol as P
+
 log = logging.getLogger("learner.config_server")
 
 
@@ -20,8 +24,6 @@ class ConfigServer:
     """
 
     def __init__(self, cfg, silent_s: float | None = None):
-        import yaml
-
         self.config_yaml = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
         self.first_id = cfg.actors.num  # local actors are 0..num-1
         self.silent_s = silent_s or float(getattr(cfg.learner, "actor_silent_s", 30.0))
@@ -29,8 +31,6 @@ class ConfigServer:
 
     def handle(self, msg, last_seen: dict[int, float], now: float | None = None):
         """``last_seen``: actor id -> time.time() of its last message (the ledger)."""
-        from arpo_async.core import protocol as P
-
         now = time.time() if now is None else now
         if msg.actor_id < 0:
             taken = set(last_seen) | set(self.owners)

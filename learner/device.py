@@ -16,6 +16,8 @@ import os
 from dataclasses import fields, replace
 from typing import Any
 
+import torch
+
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -26,8 +28,6 @@ def dist_backend(cfg) -> str:
 
 def setup_device(cfg):
     """This rank's torch.device; on GPU also makes it current. Fails clearly without CUDA."""
-    import torch
-
     if cfg.cluster.device != "cuda":
         return torch.device("cpu")
     if not torch.cuda.is_available():
@@ -74,8 +74,6 @@ def model_load_kwargs(cfg) -> dict[str, Any]:
     CPU keeps float32 master weights (DeepSpeed casts for bf16 itself). On GPU the model
     is loaded in the training dtype straight away: half the host memory for a 7B model,
     and flash-attention refuses float32 modules at load time."""
-    import torch
-
     if cfg.model.dtype not in _DTYPES:
         raise ValueError(f"model.dtype: {cfg.model.dtype!r}")
     dtype = getattr(torch, cfg.model.dtype) if cfg.cluster.device == "cuda" else torch.float32
@@ -93,8 +91,6 @@ def prepare_model(model, cfg) -> None:
 def to_device(batch, device):
     """A dataclass of tensors (learner.batching.Batch) with every tensor on ``device``;
     the same object on CPU."""
-    import torch
-
     if device.type == "cpu":
         return batch
     moved = {f.name: getattr(batch, f.name).to(device, non_blocking=True)

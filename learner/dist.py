@@ -7,6 +7,11 @@ from __future__ import annotations
 import os
 import socket
 
+import torch.distributed as dist
+
+from arpo_async.core.dsops import prebuild_deepspeed_ops
+from learner.device import dist_backend, setup_device
+
 
 def init_distributed(cfg=None) -> None:
     """Join the learner's process group: NCCL on GPUs (``cluster.device=cuda``, each rank
@@ -19,23 +24,17 @@ def init_distributed(cfg=None) -> None:
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     backend = "gloo"
     if cfg is None or cfg.cluster.device == "cpu":
-        from arpo_async.core.dsops import prebuild_deepspeed_ops
-
         prebuild_deepspeed_ops()  # under the launchers' flock: never compile beside another
     if cfg is not None:
-        from learner.device import dist_backend, setup_device
-
         setup_device(cfg)  # before NCCL: a rank's communicator binds its current GPU
         backend = dist_backend(cfg)
-    import deepspeed
+    import deepspeed  # deepspeed: heavy; reads DS_ACCELERATOR (set just above) at import
 
     deepspeed.init_distributed(dist_backend=backend)
 
 
 def scatter(obj_per_rank, rank: int, world: int):
     """Rank r gets ``obj_per_rank[r]`` (given on rank 0 only)."""
-    import torch.distributed as dist
-
     if world == 1:
         return obj_per_rank[0]
     out = [None]
@@ -45,8 +44,6 @@ def scatter(obj_per_rank, rank: int, world: int):
 
 def broadcast(obj, rank: int, world: int):
     """Every rank gets rank 0's ``obj``."""
-    import torch.distributed as dist
-
     if world == 1:
         return obj
     box = [obj if rank == 0 else None]

@@ -26,21 +26,28 @@ import os
 import time
 from pathlib import Path
 
+import torch
+
+from arpo_async.core.files import atomic_write_json, read_json
+from arpo_async.core.keys import server_keys_for
+from arpo_async.core.metrics import MetricsWriter, append_jsonl, probe_sequence
+from arpo_async.core.rundir import RUN_STATE, checkpoints_dir, latest_checkpoint
+from learner import checkpoint as C
+from learner.batching import balanced_split, samples_from_groups
 from learner.dist import broadcast, init_distributed, scatter
 from learner.rollout_metrics import rollout_metrics
+from learner.service import LearnerService
+from learner.trainer import PolicyTrainer, split_minibatches
 
 log = logging.getLogger("learner")
 
 
 def resume_point(cfg, trainer, rank: int, world: int, run_dir: Path) -> dict | None:
     """Load the newest checkpoint into ``trainer`` (every rank); its metadata, or None."""
-    from arpo_async.core import rundir as R
-    from learner import checkpoint as C
-
-    ckpt = broadcast(R.latest_checkpoint(run_dir) if rank == 0 else None, rank, world)
+    ckpt = broadcast(latest_checkpoint(run_dir) if rank == 0 else None, rank, world)
     if ckpt is None:
         log.warning("--resume: no complete checkpoint in %s; starting from step 0",
-                    R.checkpoints_dir(run_dir))
+                    checkpoints_dir(run_dir))
         return None
     meta = C.read_meta(ckpt)
     saved = (meta.get("world_size"), meta.get("zero_stage"))
@@ -57,20 +64,15 @@ def resume_point(cfg, trainer, rank: int, world: int, run_dir: Path) -> dict | N
 def service_resume(run_dir: Path, meta: dict | None) -> dict | None:
     """What LearnerService.restore needs: the checkpoint's ledger and, when the learner
     that died wrote a newer run state, that state's ledger."""
-    from arpo_async.core import files as F
-    from arpo_async.core import rundir as R
-
     if meta is None:
         return None
-    state = F.read_json(run_dir / R.RUN_STATE)
+    state = read_json(run_dir / RUN_STATE)
     newer = state.get("ledger") if state and state.get("step", -1) >= meta["step"] else None
     return {"version": meta["policy_version"], "ledger": meta.get("ledger", {}), "newer": newer}
 
 
 def write_checkpoint(cfg, trainer, rank: int, world: int, step: int, state: dict | None) -> float:
     """Write the checkpoint of ``step`` (collective); seconds taken."""
-    from learner import checkpoint as C
-
     t0 = time.perf_counter()
     run_dir = Path(cfg.run.dir)
     tmp = broadcast(C.prepare(run_dir, step) if rank == 0 else None, rank, world)
@@ -99,13 +101,6 @@ class LearnerLoop:
     writes the run's files; the other ranks follow its decisions."""
 
     def __init__(self, cfg, resume: bool = False):
-        import torch
-
-        from arpo_async.core.keys import server_keys_for
-        from arpo_async.core.metrics import MetricsWriter, probe_sequence
-        from learner.service import LearnerService
-        from learner.trainer import PolicyTrainer
-
         self.cfg, self.run_dir = cfg, Path(cfg.run.dir)
         torch.set_num_threads(cfg.learner.threads)
         torch.manual_seed(cfg.run.seed)
@@ -167,9 +162,6 @@ class LearnerLoop:
     # ------------------------------------------------------------------ the steps
     def collect(self):
         """(this rank's part, the groups, their statistics), or None when the run is over."""
-        from learner.batching import balanced_split, samples_from_groups
-        from learner.trainer import split_minibatches
-
         parts, stats, groups = None, {}, []
         if self.rank == 0:
             lc = self.cfg.learner
@@ -197,8 +189,6 @@ class LearnerLoop:
 
     def publish(self, version: int) -> float:
         """Send the weights of ``version`` to the actors; seconds taken."""
-        from arpo_async.core.metrics import append_jsonl
-
         t0 = time.perf_counter()
         state = self.trainer.full_state()
         if self.service is not None:
@@ -231,9 +221,6 @@ class LearnerLoop:
 
     def record(self, groups: list, stats: dict, train: dict, timings: dict) -> None:
         """The run state and the metrics line of this step (rank 0)."""
-        from arpo_async.core.files import atomic_write_json
-        from arpo_async.core.rundir import RUN_STATE
-
         if self.service is None:
             return
         atomic_write_json(self.run_dir / RUN_STATE, self.state, sort_keys=True)
@@ -243,8 +230,6 @@ class LearnerLoop:
 
     def finish(self) -> dict:
         """Stop the actors, close the files; the run's result (rank 0 writes it)."""
-        from arpo_async.core.files import atomic_write_json
-
         result = {"steps": self.step, "wall_time_s": time.time() - self.t_start,
                   "learner_restarts": self.restarts,
                   "resumed_from": self.meta["step"] if self.meta else None}

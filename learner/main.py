@@ -10,6 +10,9 @@ from __future__ import annotations
 import argparse
 import logging
 
+from arpo_async.core.config import load_config
+from arpo_async.core.protocol import ExitCode
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="learner.main", description=__doc__)
@@ -18,9 +21,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="continue from the newest checkpoint in RUN_DIR/checkpoints")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    from arpo_async.core.config import load_config
-    from arpo_async.core.protocol import ExitCode
-    from learner.loop import LearnerLoop
+    from learner.loop import LearnerLoop  # it imports torch: not for --help
 
     LearnerLoop(load_config(args.config), resume=args.resume).run()
     return ExitCode.OK

@@ -42,7 +42,7 @@ Pure numpy/torch: no deepspeed, zmq or transformers here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -308,7 +308,6 @@ def pad_targets(batch: PackedBatch, k: int) -> PackedBatch:
     extra = k - batch.ctx.shape[0]
     if extra <= 0:
         return batch
-    from dataclasses import replace
 
     def grow(t: torch.Tensor) -> torch.Tensor:
         return torch.cat([t, t.new_zeros(extra)])

@@ -28,6 +28,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from transformers import AutoModelForCausalLM
+
 from learner.device import model_load_kwargs
 
 log = logging.getLogger("learner")
@@ -51,8 +53,7 @@ class ReferencePolicy:
     for the trainer's micro-batches before DeepSpeed wraps it (the packed dispatcher)."""
 
     def __init__(self, cfg, model_path: str, prepare: Callable[[object], None]):
-        import deepspeed
-        from transformers import AutoModelForCausalLM
+        import deepspeed  # deepspeed: after learner/dist.py has set DS_ACCELERATOR
 
         model = AutoModelForCausalLM.from_pretrained(model_path, **model_load_kwargs(cfg))
         model.config.use_cache = False

@@ -33,10 +33,12 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from arpo_async.core.config import Config
 from arpo_async.core.logits import causal_lm_logprobs
 from learner.batching import LeafSample, balanced_split
+from learner.checkpoint import export_hf, tensors_from_numpy
 from learner.device import model_load_kwargs, prepare_model, setup_device
 from learner.losses import entropy_moments, stats_from_moments
 from learner.reference import ReferencePolicy
@@ -114,8 +116,7 @@ class _BeforeUpdate:
 
 class PolicyTrainer:
     def __init__(self, cfg: Config, model_path: str):
-        import deepspeed
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        import deepspeed  # deepspeed: after learner/dist.py has set DS_ACCELERATOR
 
         self.cfg = cfg
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -275,8 +276,6 @@ class PolicyTrainer:
         """Write this engine's state into ``folder`` (prepared by learner/checkpoint.py):
         the HF model files (rank 0, weights gathered under ZeRO-3) and DeepSpeed's own
         checkpoint (every rank its shard: fp32 weights and optimizer state); collective."""
-        from learner.checkpoint import export_hf, tensors_from_numpy
-
         state = self.full_state()
         if self.rank == 0:
             export_hf(folder, tensors_from_numpy(state, self.cfg.model.dtype == "bfloat16"),

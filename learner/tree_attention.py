@@ -29,6 +29,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+from transformers.models.qwen3.modeling_qwen3 import eager_attention_forward
 
 PREFIX = "arpo_packed_"
 
@@ -81,6 +84,7 @@ def tile_mask(pred: np.ndarray, device) -> TileMask:
 
 def flex_block_mask(end: np.ndarray, device):
     """FlexAttention BlockMask for the rule (T must suit flex: align to 128)."""
+    # flex_attention: missing from old torch (see _dispatcher)
     from torch.nn.attention.flex_attention import create_block_mask
 
     e = torch.as_tensor(end, device=device)
@@ -125,8 +129,6 @@ def _dispatcher(base: str):
     def attention(module, query, key, value, attention_mask, **kwargs):
         if isinstance(attention_mask, TileMask):
             return _tile_attention(module, query, key, value, attention_mask, **kwargs)
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
         try:
             from torch.nn.attention.flex_attention import BlockMask
         except ImportError:  # pragma: no cover - old torch
@@ -134,7 +136,7 @@ def _dispatcher(base: str):
         if isinstance(attention_mask, BlockMask):
             fn = ALL_ATTENTION_FUNCTIONS["flex_attention"]
         elif base == "eager":
-            from transformers.models.qwen3.modeling_qwen3 import eager_attention_forward as fn
+            fn = eager_attention_forward
         else:
             fn = ALL_ATTENTION_FUNCTIONS[base]
         return fn(module, query, key, value, attention_mask, **kwargs)
@@ -145,9 +147,6 @@ def _dispatcher(base: str):
 def enable(model) -> str:
     """Switch ``model`` to the packed dispatcher over its current implementation;
     returns the base implementation's name."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    from transformers.modeling_utils import AttentionInterface
-
     base = model.config._attn_implementation
     if base.startswith(PREFIX):
         return base[len(PREFIX):]

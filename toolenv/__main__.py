@@ -9,8 +9,9 @@
         [--child CODE ...] [--replay]]
     python -m toolenv call search 'query' [--retriever URL]
 
-Heavy modules (bm25s, aiohttp, the sandbox) are imported inside each command, so
-``--help`` answers at once. ``call`` exits 1 when the tool reports an error.
+The modules that import aiohttp (the search tools; the retriever, which also loads
+bm25s) are imported inside the command that needs them, so ``--help`` answers at once.
+``call`` exits 1 when the tool reports an error.
 
 ``call python --session`` runs the codes one after another in one Python session
 (``tools.python_state=session``): each sees what the ones before it left. With
@@ -23,9 +24,14 @@ re-executing the history instead of by checkpoint.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import logging
 import os
 import sys
+
+from toolenv.cache import cache_clear, cache_stats
+from toolenv.python_tool import PythonTool
 
 RETRIEVER_ENV = "ARPO_RETRIEVER_URL"
 
@@ -75,17 +81,15 @@ def _parser() -> argparse.ArgumentParser:
 
 def _build_tool(a: argparse.Namespace):
     if a.tool == "python":
-        from toolenv.python_tool import PythonTool
-
         return PythonTool(allow_unsandboxed=a.unsandboxed,
                           state="session" if a.session else "stateless")
     if a.tool == "search":
         if not a.retriever:
             raise SystemExit(f"call search: pass --retriever URL or set ${RETRIEVER_ENV}")
-        from toolenv.search import SearchTool
+        from toolenv.search import SearchTool  # aiohttp: not for --help
 
         return SearchTool(a.retriever, topk=a.topk, snippet_chars=a.snippet_chars)
-    from toolenv.websearch import SERPER_ENDPOINT, WebSearchTool
+    from toolenv.websearch import SERPER_ENDPOINT, WebSearchTool  # aiohttp: not for --help
 
     return WebSearchTool(a.endpoint or SERPER_ENDPOINT, topk=a.topk,
                          snippet_chars=a.snippet_chars, api_key_env=a.api_key_env)
@@ -119,8 +123,6 @@ async def _session(tool, a: argparse.Namespace) -> int:
 
 
 def _call(a: argparse.Namespace) -> int:
-    import asyncio
-
     if not a.session and (len(a.args) > 1 or a.fork_after or a.child or a.replay):
         print("error: several codes, --fork-after, --child and --replay need --session",
               file=sys.stderr)
@@ -153,8 +155,6 @@ def _call(a: argparse.Namespace) -> int:
 
 
 def _cache(a: argparse.Namespace) -> int:
-    from toolenv.cache import cache_clear, cache_stats
-
     try:
         if a.action == "stats":
             print(json.dumps(cache_stats(a.dir), indent=2, sort_keys=True))
@@ -169,9 +169,7 @@ def _cache(a: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     if a.command == "serve-retriever":
-        import logging
-
-        from toolenv.retriever_server import CorpusError, serve
+        from toolenv.retriever_server import CorpusError, serve  # aiohttp: not for --help
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
         try:

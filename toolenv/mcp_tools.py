@@ -70,7 +70,7 @@ def _entry_key(entry: Any) -> str:
 def _client_target(entry: Any) -> Any:
     if hasattr(entry, "url"):
         return entry.url
-    from mcp.client.stdio import StdioServerParameters
+    from mcp.client.stdio import StdioServerParameters  # mcp: heavy, for tools.mcp only
 
     return StdioServerParameters(command=entry.command, args=list(entry.args),
                                  env=dict(entry.env) or None)
@@ -149,7 +149,7 @@ class McpServer:
 
     async def _call(self, tool: str, arguments: dict[str, Any]) -> ToolResult:
         from mcp.shared.exceptions import MCPError
-        from mcp_types import CONNECTION_CLOSED
+        from mcp_types import CONNECTION_CLOSED  # mcp_types: comes with mcp
 
         client = self._client
         if client is None:
@@ -236,7 +236,7 @@ async def _list_all(client: Any) -> list[Any]:
 
 
 def _is_transport_error(exc: BaseException) -> bool:
-    import anyio
+    import anyio  # anyio: comes with mcp (not a dependency of ours)
 
     closed = (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream)
     return isinstance(exc, closed) or type(exc).__module__.startswith(("httpx", "httpcore"))

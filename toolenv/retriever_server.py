@@ -40,6 +40,8 @@ from pathlib import Path
 import numpy as np
 from aiohttp import web
 
+from arpo_async.core.files import iter_jsonl
+
 log = logging.getLogger(__name__)
 
 MAX_TOPK = 100
@@ -57,8 +59,6 @@ def load_corpus(path: str | Path) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         raise CorpusError(f"{path}: corpus file not found")
-    from arpo_async.core.files import iter_jsonl
-
     docs = []
     for n, row in iter_jsonl(path, CorpusError):
         if isinstance(row.get("contents"), str) and row["contents"].strip():

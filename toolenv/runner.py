@@ -35,6 +35,11 @@ from asyncio_throttle import Throttler
 
 from arpo_async.core.config import ConfigError
 from toolenv.base import Tool, ToolResult
+from toolenv.cache import ToolCache
+from toolenv.mcp_tools import mcp_tools
+from toolenv.python_tool import PythonTool
+from toolenv.search import SearchTool
+from toolenv.tool_classes import load_tool_class
 
 if TYPE_CHECKING:
     from arpo_async.core.config import ToolsConfig
@@ -244,15 +249,11 @@ def build_tools(cfg: ToolsConfig, run_dir: str | Path) -> ToolRunner:
     The Python tool's own wall-clock limit is set a little under ``cfg.timeout_s`` so that
     it, not the runner's backstop, reports the timeout (with the output printed so far).
     """
-    from toolenv.cache import ToolCache
-
     cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else Path(run_dir) / "tool_cache"
     cache = ToolCache(cache_dir, ttl_s=cfg.cache_ttl_s)
     tools: dict[str, Tool] = {}
     for name in cfg.enabled:
         if name == "python":
-            from toolenv.python_tool import PythonTool
-
             tools[name] = PythonTool(
                 cpu_s=cfg.python_cpu_s, memory_mb=cfg.python_memory_mb,
                 max_procs=cfg.python_max_procs, max_output=cfg.python_max_output,
@@ -264,8 +265,6 @@ def build_tools(cfg: ToolsConfig, run_dir: str | Path) -> ToolRunner:
                 session_idle_s=cfg.python_session_idle_s,
                 checkpoint_mb=cfg.python_checkpoint_mb)
         elif name == "search":
-            from toolenv.search import SearchTool
-
             tools[name] = SearchTool(cfg.retriever_url, topk=cfg.search_topk,
                                      snippet_chars=cfg.search_snippet_chars)
         else:
@@ -274,8 +273,6 @@ def build_tools(cfg: ToolsConfig, run_dir: str | Path) -> ToolRunner:
     try:
         tools |= custom_tools(cfg)
         if cfg.mcp:
-            from toolenv.mcp_tools import mcp_tools
-
             tools |= mcp_tools(cfg, taken=set(tools))
     except ConfigError:
         cache.close()
@@ -286,8 +283,6 @@ def build_tools(cfg: ToolsConfig, run_dir: str | Path) -> ToolRunner:
 
 def custom_tools(cfg: ToolsConfig) -> dict[str, Tool]:
     """Instances of the ``tools.custom`` classes by name (the config checked the classes)."""
-    from toolenv.tool_classes import load_tool_class
-
     out: dict[str, Tool] = {}
     for i, path in enumerate(cfg.custom):
         cls = load_tool_class(path)

@@ -272,6 +272,8 @@ def _tmp_tar():
 
 
 def _checkpoint(state):
+    # cloudpickle: only a checkpoint (a forked process) needs it; at the top it would load
+    # into every session, where the code it runs can see it
     import cloudpickle
 
     scope = state["scope"]

@@ -31,6 +31,9 @@ from collections.abc import Iterable
 from typing import Any, Protocol
 
 from toolenv.base import ToolSpec
+from toolenv.mcp_tools import mcp_specs
+from toolenv.python_tool import PythonTool
+from toolenv.search import SearchTool
 from toolenv.tags import (
     DEFAULT_TOOLS,
     Markup,
@@ -42,6 +45,7 @@ from toolenv.tags import (
     tools_used,
     validate_format,
 )
+from toolenv.tool_classes import load_tool_class
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _SENTINEL = "\u2063ARPO-SENTINEL\u2063"  # text no model or tool writes
@@ -249,7 +253,7 @@ class HermesSyntax(_Checks):
 def _argument_problem(spec: ToolSpec, arguments: Any) -> str:
     if not isinstance(arguments, dict):
         return f"arguments must be a JSON object, got {type(arguments).__name__}"
-    import jsonschema
+    import jsonschema  # jsonschema: heavy (about 0.5 s), for hermes calls only
 
     error = jsonschema.exceptions.best_match(
         jsonschema.validators.validator_for(spec.parameters)(spec.parameters)
@@ -264,22 +268,17 @@ def tool_specs(cfg: Any) -> list[ToolSpec]:
     """What the model is told about the configured tools (``tools.enabled``, then
     ``tools.custom``, read from their classes: nothing is constructed; then the ``tools.mcp``
     servers' tools, from their listing: toolenv/mcp_tools.py)."""
-    from toolenv.tool_classes import load_tool_class
-
     classes = []
     for name in cfg.enabled:
         if name == "python":
-            from toolenv.python_tool import PythonTool as cls
+            classes.append(PythonTool)
         elif name == "search":
-            from toolenv.search import SearchTool as cls
+            classes.append(SearchTool)
         else:
             raise ValueError(f"tools.enabled: unknown tool {name!r} (known: python, search)")
-        classes.append(cls)
     classes += [load_tool_class(path) for path in cfg.custom]
     specs = [ToolSpec.of(cls) for cls in classes]
     if getattr(cfg, "mcp", None):
-        from toolenv.mcp_tools import mcp_specs
-
         specs += mcp_specs(cfg)
     return specs
 

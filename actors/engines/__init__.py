@@ -1,11 +1,16 @@
 """Generation engines behind one interface (base.py): vLLM (vllm_engine.py), transformers
 (hf_engine.py), a simulated engine for throughput experiments (sim_engine.py) and any
 OpenAI-compatible server (endpoint_engine.py). ``build_engine`` picks the one
-``actors.engine`` names; each implementation is imported only when chosen."""
+``actors.engine`` names. The vLLM and simulated engines import vLLM, torch and
+transformers only once they start; the transformers engine, which imports torch at its
+top, is imported only when chosen."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from actors.engines.sim_engine import SimulatedEngine
+from actors.engines.vllm_engine import VLLMEngine, cpu_bind_for
 
 if TYPE_CHECKING:
     from actors.engines.base import GenerationEngine
@@ -21,8 +26,6 @@ async def build_engine(
     seed = cfg.run.seed + actor_id
     kind = cfg.actors.engine
     if kind == "vllm":
-        from actors.engines.vllm_engine import VLLMEngine, cpu_bind_for
-
         return await VLLMEngine.create(
             model_path, dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
             kv_cache_gib=cfg.actors.kv_cache_gib, seed=seed,
@@ -40,7 +43,7 @@ async def build_engine(
             update_mode=cfg.actors.update_mode,
         )
     if kind == "transformers":
-        from actors.engines.hf_engine import HFEngine
+        from actors.engines.hf_engine import HFEngine  # it imports torch: not for --help
 
         return await HFEngine.create(
             model_path, dtype=cfg.model.dtype, seed=seed, threads=cfg.actors.threads,
@@ -48,8 +51,6 @@ async def build_engine(
             update_mode=cfg.actors.update_mode,
         )
     if kind == "simulated":
-        from actors.engines.sim_engine import SimulatedEngine
-
         return await SimulatedEngine.create(cfg, model_path, seed=seed, version=version)
     raise ValueError(f"actors.engine: unknown engine {kind!r}")
 

@@ -17,7 +17,9 @@ context (no stale KV cache), which is what the learner recomputes.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import inspect
 import time
 import warnings
 from collections.abc import Iterable, Mapping
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+from safetensors import safe_open
 
 if TYPE_CHECKING:
     pass
@@ -116,8 +119,6 @@ class WeightGate:
     """
 
     def __init__(self, mode: str = "drain") -> None:
-        import asyncio
-
         if mode not in UPDATE_MODES:
             raise ValueError(f"actors.update_mode: {mode!r}, expected one of {UPDATE_MODES}")
         self.mode = mode
@@ -164,8 +165,6 @@ class WeightGate:
         """Yields the seconds spent waiting for the calls in flight to leave: to end
         (drain), or, with ``interrupt`` (default: the gate's mode is ``interrupt``), to
         stop at their next token boundary."""
-        import inspect
-
         interrupt = self.mode == "interrupt" if interrupt is None else interrupt
         async with self._update_lock:
             self._open.clear()
@@ -207,7 +206,7 @@ def torch_state_dict(tensors: Mapping[str, Any], dtype: Any,
     tensors) -> contiguous torch tensors of ``dtype``. numpy has no bfloat16: a uint16
     array is the raw bits of a bfloat16 tensor (no model weight is uint16), whether or
     not its name is in ``bf16_names``."""
-    import torch
+    import torch  # torch: heavy, and every actor module (and --help) imports this one
 
     bf16 = set(bf16_names)
     out = {}
@@ -240,8 +239,6 @@ def checkpoint_shapes(model_path: str) -> dict[str, tuple] | None:
     files = sorted(Path(model_path).glob("*.safetensors")) if Path(model_path).is_dir() else []
     if not files:
         return None
-    from safetensors import safe_open
-
     shapes = {}
     for f in files:
         with safe_open(str(f), framework="np") as sf:

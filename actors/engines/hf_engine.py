@@ -19,6 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from actors.engines.base import (
     GenRequest,
     GenResult,
@@ -34,8 +37,6 @@ GREEDY_EPS = 1e-5  # temperatures below this decode greedily (vLLM's _SAMPLING_E
 def sampling_logprobs(logits: Any, temperature: float, top_p: float) -> Any:
     """Log-probs of the distribution a token is drawn from: ``logits`` [..., V] scaled by
     temperature, then top-p filtered (-inf outside the nucleus), as vLLM's sampler does."""
-    import torch
-
     logits = logits.float()
     if temperature < GREEDY_EPS:
         return torch.log_softmax(logits, dim=-1)
@@ -54,8 +55,6 @@ def sampling_logprobs(logits: Any, temperature: float, top_p: float) -> Any:
 def nats(logprobs: Any) -> float:
     """Exact entropy (nats) of one distribution given as log-probs (-inf entries, tokens
     that top-p removed, contribute nothing)."""
-    import torch
-
     p = logprobs.exp()
     return float(-torch.where(p > 0, p * logprobs, torch.zeros_like(p)).sum())
 
@@ -65,8 +64,6 @@ class HFEngine:
 
     def __init__(self, model: Any, tokenizer: Any, seed: int, version: int, max_model_len: int,
                  update_mode: str = "drain"):
-        import torch
-
         self._model = model
         self._tokenizer = tokenizer
         self._generator = torch.Generator().manual_seed(seed)
@@ -85,9 +82,6 @@ class HFEngine:
     async def create(cls, model_path: str | Path, dtype: str = "float32", seed: int = 0,
                      threads: int = 1, version: int = 0, max_model_len: int = 2048,
                      update_mode: str = "drain") -> HFEngine:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         torch.set_num_threads(threads)
 
         def load():
@@ -120,8 +114,6 @@ class HFEngine:
                        ) -> GenResult:
         """Tokens after ``req.prompt_tokens + done`` until the round ends, the token
         budget is spent or ``stop`` is set (finish_reason "abort")."""
-        import torch
-
         gen = (torch.Generator().manual_seed(req.seed + len(done)) if req.seed is not None
                else self._generator)
         prompt = list(req.prompt_tokens) + done
@@ -185,8 +177,6 @@ class HFEngine:
                          entropies=ents)
 
     def _sequence_sync(self, prompt_tokens: list[int], tokens: list[int]) -> list[float]:
-        import torch
-
         ids = torch.tensor([list(prompt_tokens) + list(tokens)])
         select = torch.zeros(1, ids.shape[1] - 1, dtype=torch.bool)
         select[0, len(prompt_tokens) - 1:] = True  # the positions that predict ``tokens``

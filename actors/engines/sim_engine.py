@@ -63,7 +63,7 @@ class Vocab:
 
 @functools.lru_cache(maxsize=8)
 def load_vocab(model_path: str) -> Vocab:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # transformers: heavy, not for --help
 
     tok = AutoTokenizer.from_pretrained(model_path)
     size = len(tok)

@@ -52,6 +52,7 @@ from actors.engines.base import (
     checkpoint_shapes,
     torch_state_dict,
 )
+from actors.weights.nccl import NcclTransferFailed, update_info_from
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ def _set_env(cpu_threads: int | None, cpu_bind: str | None, local: bool) -> None
 
 def _reload_from_file(worker: Any, path: str) -> int:
     """Runs inside each vLLM worker (sent by collective_rpc)."""
-    import safetensors.torch
+    import safetensors.torch  # safetensors.torch, torch: heavy, not for actors.main --help
 
     tensors = safetensors.torch.load_file(path)
     worker.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
@@ -189,6 +190,7 @@ class VLLMEngine:
         t0 = time.perf_counter()
         model_path = str(model_path)
         _set_env(cpu_threads, cpu_bind, local=Path(model_path).is_dir())
+        # vllm: an optional extra (cpu, gpu), and its environment is set just above
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -341,7 +343,7 @@ class VLLMEngine:
 
     def _tokenizer(self) -> Any:
         if self._tok is None:
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer  # transformers: heavy, not for --help
 
             self._tok = AutoTokenizer.from_pretrained(self._model_path)
         return self._tok
@@ -423,8 +425,6 @@ class VLLMEngine:
         finish in ``timeout_s`` raises ``NcclTransferFailed``: the workers are then stuck
         in NCCL and only a restart frees them."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        from actors.weights.nccl import NcclTransferFailed, update_info_from
 
         async with self._gate.exclusive() as drain_s:
             header = await fetch_header()

@@ -34,6 +34,8 @@ def prebuild_deepspeed_ops() -> None:
     """Build (or load) DeepSpeed's CPU comm op under the shared flock."""
     extensions_dir()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # deepspeed, torch: heavy (the launcher imports this module); deepspeed reads
+    # DS_ACCELERATOR, set just above, at import
     from deepspeed.accelerator import get_accelerator
     from torch.utils.cpp_extension import _get_build_directory
 

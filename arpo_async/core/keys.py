@@ -29,6 +29,7 @@ from pathlib import Path
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import parse_monitor_message
 
 from arpo_async.core.host import is_loopback
 
@@ -196,8 +197,6 @@ class HandshakeWatch:
         self.on_failed = on_failed
 
     def poll(self) -> None:
-        from zmq.utils.monitor import parse_monitor_message
-
         while self.monitor is not None and self.monitor.poll(0):
             self.on_failed(parse_monitor_message(self.monitor.recv_multipart())["event"])
 

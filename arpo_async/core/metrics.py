@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +38,7 @@ def _ends_with_newline(path: Path) -> bool:
 
 def wandb_run(run_dir: str | Path, settings: Any, config: dict | None = None) -> Any:
     """Start (or continue) the W&B run of ``run_dir``; ``settings``: ``cfg.metrics``."""
-    import os
-    import uuid
-
-    import wandb
+    import wandb  # wandb: an optional extra (metrics.wandb)
 
     run_dir = Path(run_dir)
     id_file = run_dir / "wandb_id"
@@ -67,6 +66,7 @@ class MetricsWriter:
         self._tb = None
         if tensorboard:
             try:
+                # torch: heavy, and the launcher imports this module
                 from torch.utils.tensorboard import SummaryWriter
 
                 self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))

@@ -47,8 +47,17 @@ from pathlib import Path
 
 import numpy as np
 
+from actors.branching import P_BAND
+from actors.engines import build_engine
 from arpo_async.core.config import Config, ConfigError, load_config
 from arpo_async.core.files import atomic_write_json
+from arpo_async.core.rundir import latest_checkpoint
+from arpo_async.jobs.evaluate import eval_config
+from toolenv.retriever_server import RetrieverProcess
+from toolenv.runner import build_tools
+from toolenv.tasks.data import DataError
+from toolenv.tasks.prompts import PromptSource
+from toolenv.tasks.suite import SYSTEM_PROMPT, suite_noise
 
 
 def rounds_of(mask: np.ndarray) -> list[tuple[int, int]]:
@@ -105,7 +114,7 @@ def position_profile(leaves: list[dict], k: int) -> dict:
 
 def vocab_of(cfg: Config) -> int:
     """V of the rollout's normalisation (``len(tokenizer)``, as AgentRollout uses)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # transformers: heavy, not for --help
 
     return len(AutoTokenizer.from_pretrained(cfg.model.path))
 
@@ -135,13 +144,7 @@ async def sample_leaves(cfg: Config, data: Path, limit: int, k: int, corpus: Pat
     records: prompt ids, response ids, loss mask and the tool each round called."""
     from transformers import AutoTokenizer
 
-    from actors.agent_rollout import AgentRollout
-    from actors.engines import build_engine
-    from arpo_async.jobs.evaluate import eval_config
-    from toolenv.retriever_server import RetrieverProcess
-    from toolenv.runner import build_tools
-    from toolenv.tasks.prompts import PromptSource
-    from toolenv.tasks.suite import SYSTEM_PROMPT, suite_noise
+    from actors.agent_rollout import AgentRollout  # it imports torch: not for --help
 
     with contextlib.ExitStack() as stack:
         url = (stack.enter_context(RetrieverProcess(corpus, **suite_noise(corpus))).url
@@ -181,9 +184,10 @@ def score_entropies(model_path: str, leaves: list[dict], temperature: float,
     entropy (``entropy``) and in nats (``nats``), the tail-corrected top-k estimate
     (``estimate``), the top max(k, the authors' 10) log-probs (``top``) and the sampled
     token's log-prob (``sampled``)."""
-    import torch
+    import torch  # torch: heavy, not for --help
     from transformers import AutoModelForCausalLM
 
+    # core.entropy imports torch: not for --help
     from arpo_async.core.entropy import entropy_from_logits, entropy_from_topk
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
@@ -237,8 +241,6 @@ def _round_values(leaf: dict, start: int, end: int, estimator: str, topk: int, v
 
 
 def _decisions(dh: list[float], alpha: float, beta: float) -> dict:
-    from actors.branching import P_BAND
-
     dh_a = np.asarray(dh, dtype=np.float64)
     if not dh_a.size:
         return {"n": 0}
@@ -320,7 +322,7 @@ def null_line(null: dict) -> str:
 
 
 def plot(profile: dict, path: Path, k: int) -> Path:
-    import matplotlib
+    import matplotlib  # matplotlib: heavy; its backend is set before pyplot loads
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -349,8 +351,6 @@ def plot(profile: dict, path: Path, k: int) -> Path:
 
 def _inputs(args) -> tuple[Config, Path, Path | None, Path]:
     """(config with the model to analyse, prompts, corpus or None, output folder)."""
-    from arpo_async.core.rundir import latest_checkpoint
-
     if args.run_dir:
         run_dir = Path(args.run_dir)
         if not (run_dir / "config.yaml").is_file():
@@ -419,8 +419,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.run_dir and "=" in args.run_dir:  # no RUN_DIR: the first word is an override
         args.overrides.insert(0, args.run_dir)
         args.run_dir = None
-    from toolenv.tasks.data import DataError
-
     try:
         cfg, data, corpus, out = _inputs(args)
         result = entropy_analysis(cfg, data, corpus, out, args.limit, args.k)

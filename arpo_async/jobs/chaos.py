@@ -54,7 +54,16 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
+from arpo_async.core.config import ConfigError, load_config
+from arpo_async.core.files import atomic_write_json, read_json
+from arpo_async.core.metrics import append_jsonl, read_metrics
 from arpo_async.jobs import chaos_faults as F
+from arpo_async.jobs.chaos_verdict import ancestors, run_processes, table, verdict
+from arpo_async.jobs.pipeline import build_data, build_model
+from arpo_async.jobs.sft import run_sft
+from arpo_async.launcher.supervisor import _free_port
 
 REPO = Path(__file__).resolve().parents[2]
 FAULTS = ("actor_kill", "actor_stop", "learner_kill", "launcher_kill", "retriever_kill",
@@ -105,8 +114,6 @@ class Soak:
     """One chaos soak: the services, the launcher, the fault schedule."""
 
     def __init__(self, args, kinds: list[str]):
-        from arpo_async.core.config import ConfigError, load_config
-
         self.args, self.kinds = args, kinds
         # the learner's clock starts before the actors are up (minutes on a busy machine):
         # its limit covers the start-up too, else a slow start ends the run at step 0
@@ -134,8 +141,6 @@ class Soak:
     # ------------------------------------------------------------------ set-up
     def prepare(self) -> list[str]:
         """Data, model (SFT), retriever and proxy; the launch overrides."""
-        from arpo_async.jobs.pipeline import build_data, build_model
-
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(exist_ok=True)
         data = build_data(self.cfg) if self.cfg.task.name == "file" else None
@@ -148,8 +153,6 @@ class Soak:
             if data is None:
                 raise SystemExit("tools.enabled has search: give tools.retriever_url or "
                                  "task.name=file (the suite's corpus)")
-            from arpo_async.launcher.supervisor import _free_port
-
             self.retriever = F.Retriever(Path(data["dir"]) / "corpus.jsonl",
                                          _free_port("127.0.0.1"),
                                          self.run_dir / "logs" / "retriever.log", self.env)
@@ -159,8 +162,6 @@ class Soak:
         return extra
 
     def _sft(self, base: str) -> str:
-        from arpo_async.jobs.sft import run_sft
-
         out = self.run_dir / "sft"
         if not (out / "config.json").exists():
             p = self.cfg.pipeline
@@ -183,8 +184,6 @@ class Soak:
 
     # ------------------------------------------------------------------ records
     def pids(self) -> dict:
-        from arpo_async.core.files import read_json
-
         return read_json(self.run_dir / "processes.json") or {}
 
     def actors(self) -> list[tuple[str, int]]:
@@ -192,14 +191,10 @@ class Soak:
                 if n.startswith("actor") and not F.gone(p)]
 
     def steps(self) -> int:
-        from arpo_async.core.metrics import read_metrics
-
         rows = read_metrics(self.run_dir)
         return rows[-1]["step"] if rows else 0
 
     def log(self, kind: str, target: str, **detail) -> None:
-        from arpo_async.core.metrics import append_jsonl
-
         row = {"time": time.time(), "kind": kind, "target": target, **detail}
         append_jsonl(self.run_dir / "chaos.jsonl", row)
         print(f"[chaos] {time.strftime('%H:%M:%S')} {kind} -> {target} "
@@ -286,8 +281,6 @@ class Soak:
         return True
 
     def _ports(self) -> dict:
-        import yaml
-
         t = yaml.safe_load((self.run_dir / "config.yaml").read_text())["transport"]
         return t
 
@@ -363,16 +356,12 @@ class Soak:
 
 def _settle(marker: str, run_dir: Path, timeout_s: float = 20.0) -> None:
     """Give processes that are exiting (a vLLM engine after its actor) time to go."""
-    from arpo_async.jobs.chaos_verdict import ancestors, run_processes
-
     deadline = time.monotonic() + timeout_s
     while run_processes(marker, run_dir, ancestors(os.getpid())) and time.monotonic() < deadline:
         time.sleep(0.5)
 
 
 def run(args) -> int:
-    from arpo_async.jobs.chaos_verdict import ancestors, run_processes, table, verdict
-
     kinds = parse_faults(args.faults)
     if args.duration_s <= 0 or args.fault_every_s <= 0:
         raise SystemExit("--duration-s and --fault-every-s must be > 0")
@@ -396,8 +385,6 @@ def run(args) -> int:
                      soak.retriever.restarts if soak.retriever else 0, marker, mine)
     result |= {"seed": args.seed, "duration_s": args.duration_s,
                "fault_every_s": args.fault_every_s, "kinds": kinds, "startup_s": args.startup_s}
-    from arpo_async.core.files import atomic_write_json
-
     atomic_write_json(soak.run_dir / "chaos_verdict.json", result)
     print(table(result), flush=True)
     for p in run_processes(marker, soak.run_dir, mine):  # counted above; now gone

@@ -17,9 +17,14 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
+import msgpack
 import numpy as np
+import zmq
+
+from arpo_async.core.protocol import Hello, Trajectory, TrajectoryGroup, encode
 
 # ----------------------------------------------------------------------------- processes
 
@@ -118,8 +123,6 @@ def cache_bytes(cache_dir: Path) -> int:
 
 
 def _valid_group_frames(rng: np.random.Generator) -> list[bytes]:
-    from arpo_async.core.protocol import Trajectory, TrajectoryGroup, encode
-
     n = int(rng.integers(1, 20))
     leaf = Trajectory(tokens=rng.integers(0, 100, n, dtype=np.int32),
                       loss_mask=np.ones(n, np.uint8), logprobs=-rng.random(n, np.float32),
@@ -129,8 +132,6 @@ def _valid_group_frames(rng: np.random.Generator) -> list[bytes]:
 
 
 def _with_header(frames: list[bytes], change) -> list[bytes]:
-    import msgpack
-
     header = msgpack.unpackb(frames[0], raw=False)
     change(header)
     return [msgpack.packb(header, use_bin_type=True)] + frames[1:]
@@ -138,8 +139,6 @@ def _with_header(frames: list[bytes], change) -> list[bytes]:
 
 def _bad_semantics(kind: int) -> list[bytes]:
     """Groups that decode but must not be trained on (learner/service.py check_group)."""
-    from arpo_async.core.protocol import Trajectory, TrajectoryGroup, encode
-
     n = 8
     fields = dict(tokens=np.arange(1, n + 1, dtype=np.int32), loss_mask=np.ones(n, np.uint8),
                   logprobs=np.full(n, -1.0, np.float32), versions=np.zeros(n, np.int32))
@@ -184,8 +183,6 @@ def fuzz_frames(rng: np.random.Generator, i: int, max_mb: float = 8) -> list[byt
             return [rng.bytes(int(max_mb * 2**20 * 1.2))]
         return [frames[0][:int(rng.integers(1, len(frames[0])))]]  # keep the run fast
     if kind == 8:  # a valid message of the wrong kind for this socket
-        from arpo_async.core.protocol import Hello, encode
-
         return [bytes(f) for f in encode(Hello(actor_id=0, pid=i))]
     return _bad_semantics(i)
 
@@ -194,8 +191,6 @@ def send_garbage(host: str, trajectory_port: int, control_port: int, n: int,
                  rng: np.random.Generator, max_mb: float) -> dict:
     """``n`` fuzzed frame lists at the trajectory socket and ``n`` // 4 garbage requests
     at the control socket (random bytes behind a request id, or none), then hang up."""
-    import zmq
-
     ctx = zmq.Context()
     try:
         push = ctx.socket(zmq.PUSH)
@@ -290,8 +285,6 @@ class Retriever:
         self.restarts, self.down_since = 0, None
 
     def start(self, timeout_s: float = 60.0) -> None:
-        import urllib.request
-
         cmd = [sys.executable, "-m", "toolenv", "serve-retriever", "--corpus", str(self.corpus),
                "--port", str(self.port), "--exit-with-parent"]
         with self.log.open("ab") as out:

@@ -14,8 +14,9 @@ Checks (each a row of the table and of RUN_DIR/chaos_verdict.json):
   injected just before a gap counts too: ``restart_s = min(30, b * 2**(R-1)) + startup_s``
   for a killed actor, learner or launcher (b: the larger of ``actors.restart_backoff_s``
   and ``learner.restart_backoff_s``; R: the most restarts of one role, events.jsonl;
-  startup_s: the role start-up allowance of the soak, ``--startup-s``); the stall for a stopped actor; the window plus one slowed call (at
-  most ``tools.timeout_s``) for a slow tool; the window for a full cache folder (its
+  startup_s: the role start-up allowance of the soak, ``--startup-s``); the stall for a
+  stopped actor; the window plus one slowed call (at most ``tools.timeout_s``) for a
+  slow tool; the window for a full cache folder (its
   file-size limit also stops the actors writing their weight file, so they cannot load
   new weights until it ends); 0 otherwise. ``step_s`` is the slowest step's own work
   (step_time_s - wait_s) plus the median step time.
@@ -35,6 +36,9 @@ import json
 import os
 import statistics
 from pathlib import Path
+
+from arpo_async.core.rundir import complete_checkpoints
+from toolenv.cache import ToolCache
 
 RESTART_CAP_S = 30.0  # arpo_async/launcher/supervisor.py _backoff
 
@@ -171,10 +175,9 @@ def check_staleness(run_dir: Path, cfg) -> dict:
 
 
 def check_checkpoints(run_dir: Path) -> dict:
+    # torch, transformers: heavy; only this check loads a model
     import torch
     from transformers import AutoModelForCausalLM
-
-    from arpo_async.core.rundir import complete_checkpoints
 
     bad, good = [], 0
     for ckpt in complete_checkpoints(run_dir):
@@ -188,8 +191,6 @@ def check_checkpoints(run_dir: Path) -> dict:
 
 
 def check_cache(cache_dir: Path) -> dict:
-    from toolenv.cache import ToolCache
-
     if not (cache_dir / "cache.db").is_file():
         return {"ok": True, "value": "no cache written"}
     with ToolCache(cache_dir) as cache:

@@ -28,8 +28,8 @@ import asyncio
 import contextlib
 import functools
 import json
-import tempfile
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,8 +37,16 @@ from typing import Any
 
 import numpy as np
 
+from actors.engines import build_engine
+from actors.engines.endpoint_engine import EndpointEngine
 from arpo_async.core.config import Config, ConfigError, config_from_dict, load_config
 from arpo_async.core.files import atomic_write_json, write_jsonl
+from arpo_async.jobs.synthetic import SYSTEM_PROMPT
+from toolenv.retriever_server import RetrieverProcess
+from toolenv.runner import build_tools
+from toolenv.tasks.data import DataError
+from toolenv.tasks.prompts import PromptSource
+from toolenv.tasks.suite import suite_noise
 
 PROGRESS_EVERY_S = 10.0
 
@@ -84,8 +92,6 @@ def split_too_long(source: Any, prompts: list, data: Path,
     """(prompts that fit, rows for those that do not): a prompt longer than the engine's
     room (``PromptSource.max_tokens``) is skipped and named, or with ``refuse`` stops the
     evaluation before the model loads, naming the file and row."""
-    from toolenv.tasks.data import DataError
-
     kept, skipped = [], []
     for p in prompts:
         if not source.too_long(p):
@@ -166,11 +172,7 @@ async def _run_items(rollout: Any, source: Any, prompts: list, kinds: dict, toke
 
 async def _make_engine(cfg: Config, model_path: str, tokenizer: Any, endpoint: str) -> Any:
     if endpoint:
-        from actors.engines.endpoint_engine import EndpointEngine
-
         return await EndpointEngine.create(endpoint, tokenizer)
-    from actors.engines import build_engine
-
     return await build_engine(cfg, model_path, actor_id=0, version=0)
 
 
@@ -183,14 +185,9 @@ async def evaluate_async(cfg: Config, data: str | Path, k: int = 4, limit: int |
                          refuse_too_long: bool = False) -> dict:
     """Evaluate ``cfg.model.path`` on ``data``; returns the summary (also written to
     ``out_dir``/summary.json with items.jsonl when ``out_dir`` is given)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # transformers: heavy, not for --help
 
-    from actors.agent_rollout import AgentRollout
-    from arpo_async.jobs.synthetic import SYSTEM_PROMPT
-    from toolenv.retriever_server import RetrieverProcess
-    from toolenv.runner import build_tools
-    from toolenv.tasks.prompts import PromptSource
-    from toolenv.tasks.suite import suite_noise
+    from actors.agent_rollout import AgentRollout  # it imports torch: not for --help
 
     t_start = time.perf_counter()
     log = log or functools.partial(print, flush=True)
@@ -269,8 +266,6 @@ def main(argv: list[str] | None = None) -> None:
                     "model.max_model_len (default: skip such rows and count them)")
     ap.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
     args = ap.parse_args(argv)
-    from toolenv.tasks.data import DataError
-
     try:
         cfg = load_config(args.config, [*args.overrides, f"model.path={args.model}"])
         summary = evaluate(cfg, args.data, k=args.k, limit=args.limit, out_dir=args.out,

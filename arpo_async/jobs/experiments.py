@@ -25,8 +25,9 @@ spent waiting for a ticket (admission), actor_blocked_frac: slot time blocked se
 (backpressure), both sum(idle) / sum(elapsed * slots) over actors from their last stats,
 where slots is 1 (the admission loop) with trajectory-level scheduling and
 actors.concurrent_groups with group slots (``admission_slots``); generating_frac: the
-actors' time-averaged trajectories generating over their actors.max_inflight_trajectories; staleness_mean/max over trained groups; dropped_stale and dropped_other
-(groups dropped for a reason other than staleness, stopping excluded) and
+actors' time-averaged trajectories generating over their
+actors.max_inflight_trajectories; staleness_mean/max over trained groups; dropped_stale
+and dropped_other (groups dropped for a reason other than staleness, stopping excluded) and
 dropped_at_stop (in flight when the run ended); reward_last and accuracy_last: mean of
 the last three steps; ledger_ok: every actor's sent == received == trained + dropped.
 """
@@ -43,13 +44,18 @@ import sys
 import time
 from pathlib import Path
 
+from arpo_async.core.config import SPINE_CONFIG, ConfigError, load_config
+from arpo_async.core.metrics import read_metrics
+from arpo_async.jobs import chaos
+from arpo_async.jobs.tiny_model import ensure_model
+
 REPO = Path(__file__).resolve().parents[2]
 COLUMNS = [
     "name", "mode", "actors", "max_staleness", "engine", "status", "steps", "wall_time_s",
     "window_s", "trajectories_per_s", "groups_per_s", "model_tokens_per_s", "learner_busy_frac",
     "learner_wait_frac", "actor_idle_frac", "actor_blocked_frac", "generating_frac",
-    "staleness_mean", "staleness_max", "dropped_stale", "dropped_other", "dropped_at_stop", "reward_first",
-    "reward_last", "accuracy_last", "ledger_ok",
+    "staleness_mean", "staleness_max", "dropped_stale", "dropped_other", "dropped_at_stop",
+    "reward_first", "reward_last", "accuracy_last", "ledger_ok",
 ]
 _GRID_KEYS = ("actors.num", "learner.max_staleness")
 
@@ -108,8 +114,6 @@ def summarize_run(run_dir: str | Path, slots: int) -> tuple[dict, dict]:
     """(row, series) of one finished run folder; see the module docstring for the
     definitions. ``slots`` is ``admission_slots(cfg)``. Missing files give NaNs and
     ``ledger_ok`` False, never an exception."""
-    from arpo_async.core.metrics import read_metrics
-
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir)
     summary = _read_json(run_dir / "summary.json")
@@ -189,9 +193,6 @@ def _check_overrides(overrides: list[str]) -> None:
 def plan_runs(args) -> tuple[list[tuple[str, list[str], object]], str]:
     """Validated (name, launch argv, config) per grid point, and the model folder (built
     once here when it is missing, so runs do not race to build it)."""
-    from arpo_async.core.config import ConfigError, load_config
-    from arpo_async.jobs.tiny_model import ensure_model
-
     _check_overrides(args.overrides)
     base = list(args.overrides)
     if args.simulate:
@@ -274,7 +275,7 @@ def _label(eta: int) -> str:
 
 def plot_sweep(rows: list[dict], series: dict, out_dir: Path) -> list[Path]:
     """The four PNGs; returns their paths."""
-    import matplotlib
+    import matplotlib  # matplotlib: heavy; its backend is set before pyplot loads
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -331,8 +332,6 @@ def _save(fig, path: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from arpo_async.core.config import SPINE_CONFIG
-
     p = argparse.ArgumentParser(prog="python -m arpo_async.jobs.experiments", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -349,8 +348,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="base YAML config (default: configs/spine.yaml, the RL stage alone)")
     s.add_argument("overrides", nargs="*", metavar="key=value",
                    help="config overrides for every run")
-    from arpo_async.jobs import chaos
-
     chaos.add_arguments(sub.add_parser(
         "chaos", help="a real run under seeded random faults, then a verdict",
         description=chaos.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))

@@ -28,7 +28,18 @@ from pathlib import Path
 from typing import Any
 
 from arpo_async.core.config import Config, ConfigError, load_config, save_config
-from arpo_async.jobs.preflight import check_lengths
+from arpo_async.core.files import atomic_write_bytes
+from arpo_async.core.metrics import read_metrics, wandb_log_images
+from arpo_async.core.rundir import latest_checkpoint
+from arpo_async.jobs.evaluate import evaluate
+from arpo_async.jobs.plots import write_plots
+from arpo_async.jobs.preflight import check_lengths, prepare_run
+from arpo_async.jobs.sft import run_sft
+from arpo_async.jobs.synthetic import SuiteSpec, write_suite
+from arpo_async.jobs.tiny_model import ensure_model
+from arpo_async.launcher.supervisor import LaunchRequest, launch
+from toolenv.retriever_server import RetrieverProcess
+from toolenv.tasks.suite import suite_noise
 
 STATE = "pipeline.json"
 USER_CONFIG = "pipeline_config.yaml"  # the config as given, before stage overrides
@@ -55,8 +66,6 @@ class StageLog:
 
     def save(self) -> None:
         """Rewrite the file atomically, stages in the order they ran."""
-        from arpo_async.core.files import atomic_write_bytes
-
         atomic_write_bytes(self.path, json.dumps(self.state, indent=1).encode())
 
     def run(self, name: str, fn, *args: Any) -> dict:
@@ -76,8 +85,6 @@ class StageLog:
 
 
 def build_data(cfg: Config) -> dict:
-    from arpo_async.jobs.synthetic import SuiteSpec, write_suite
-
     p = cfg.pipeline
     out = Path(p.data_dir)
     if cfg.task.name == "file" and Path(cfg.task.data).resolve().parent != out.resolve():
@@ -101,8 +108,6 @@ def build_data(cfg: Config) -> dict:
 
 
 def build_model(cfg: Config) -> dict:
-    from arpo_async.jobs.tiny_model import ensure_model
-
     try:
         return {"path": str(ensure_model(cfg.model.path, cfg.model))}
     except (FileNotFoundError, ValueError, OSError) as exc:
@@ -110,8 +115,6 @@ def build_model(cfg: Config) -> dict:
 
 
 def cold_start_sft(cfg: Config, model_path: str, out: Path) -> dict:
-    from arpo_async.jobs.sft import run_sft
-
     p = cfg.pipeline
     res = run_sft(model_path, Path(p.data_dir) / "sft.jsonl", out,
                   steps=p.sft_steps or None, time_budget_s=p.sft_time_s or None, lr=p.sft_lr,
@@ -124,8 +127,6 @@ def cold_start_sft(cfg: Config, model_path: str, out: Path) -> dict:
 
 
 def run_eval(cfg: Config, model_path: str, retriever_url: str, out: Path) -> dict:
-    from arpo_async.jobs.evaluate import evaluate
-
     p = cfg.pipeline
     ecfg = cfg.model_copy(deep=True)
     ecfg.model.path = model_path
@@ -138,10 +139,6 @@ def run_eval(cfg: Config, model_path: str, retriever_url: str, out: Path) -> dic
 
 
 def run_rl(cfg: Config, run_dir: Path, sft_path: str, retriever_url: str, quiet: bool) -> dict:
-    from arpo_async.core.rundir import latest_checkpoint
-    from arpo_async.jobs.preflight import prepare_run
-    from arpo_async.launcher.supervisor import LaunchRequest, launch
-
     started = (run_dir / "config.yaml").exists()
     args = LaunchRequest(resume=str(run_dir) if started else None, quiet=quiet)
     if retriever_url:
@@ -163,8 +160,6 @@ def run_rl(cfg: Config, run_dir: Path, sft_path: str, retriever_url: str, quiet:
 
 def rl_figures(run_dir: Path) -> dict:
     """Throughput, staleness and tool figures of the RL stage, from metrics.jsonl."""
-    from arpo_async.core.metrics import read_metrics
-
     rows = read_metrics(run_dir)
     if not rows:
         return {"steps": 0}
@@ -232,9 +227,6 @@ def _user_config(args) -> tuple[Config, Path]:
 
 def run(args) -> int:
     """The whole job; returns the exit code (the summary is printed and saved)."""
-    from toolenv.retriever_server import RetrieverProcess
-    from toolenv.tasks.suite import suite_noise
-
     cfg, run_dir = _user_config(args)
     quiet = bool(args.quiet or cfg.run.quiet)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -263,8 +255,6 @@ def run(args) -> int:
         after = stages.run("eval_rl", run_eval, cfg, rl["checkpoint"], url, run_dir / "eval" / "rl")
     stages.state["wall_time_s"] = time.time() - t0
     summary = write_summary(run_dir, stages, before, rl, after)
-    from arpo_async.core.metrics import wandb_log_images
-
     wandb_log_images(run_dir, cfg.metrics, [Path(p) for p in summary["plots"]])
     print_summary(summary)
     return 0
@@ -272,9 +262,6 @@ def run(args) -> int:
 
 def write_summary(run_dir: Path, stages: StageLog, before: dict, rl: dict, after: dict) -> dict:
     """RUN_DIR/summary.json: the RL run's own summary plus the pipeline's figures."""
-    from arpo_async.core.files import atomic_write_bytes
-    from arpo_async.jobs.plots import write_plots
-
     path = run_dir / "summary.json"
     rl_summary = json.loads(path.read_text()) if path.exists() else {}
     summary = {

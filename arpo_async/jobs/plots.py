@@ -23,7 +23,7 @@ def _smooth(values: list[float], window: int) -> list[float]:
 
 def write_plots(run_dir: str | Path, window: int = 5) -> list[Path]:
     """Draw ``by_wall_time.png`` and ``by_step.png``; the files written ([] with no rows)."""
-    import matplotlib
+    import matplotlib  # matplotlib: heavy; its backend is set before pyplot loads
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt

@@ -64,7 +64,7 @@ def check_lengths(cfg: Config, tokenizer=None) -> LengthReport | None:
     if tokenizer is None:
         if not (Path(cfg.model.path) / "config.json").is_file():
             return None
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # transformers: heavy; the launcher imports this
 
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     if cfg.task.name == "file" and not Path(cfg.task.data).is_file():

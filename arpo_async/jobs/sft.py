@@ -42,6 +42,12 @@ from typing import Any
 
 import numpy as np
 
+from arpo_async.core.config import ToolsConfig
+from arpo_async.core.files import iter_jsonl
+from toolenv.syntax import build_syntax
+from toolenv.tags import find_tool_call, unwrap_result
+from toolenv.tasks.prompts import encode_prompt
+
 LOG_EVERY_S = 10.0
 
 
@@ -55,8 +61,6 @@ class SFTDataError(ValueError):
 def prompt_ids(tokenizer: Any, system: str | None, question: str,
                syntax: Any = None) -> list[int]:
     """The chat-templated prompt, as ``PromptSource.encode`` builds it for the actor."""
-    from toolenv.tasks.prompts import encode_prompt
-
     return encode_prompt(tokenizer, system, question, syntax)
 
 
@@ -66,8 +70,6 @@ def _segment_ids(tokenizer: Any, role: str, text: str, syntax: Any) -> list[int]
     tool segment becomes the template's tool message, as the rollout inserts it."""
     if syntax is None or syntax.name == "arpo":
         return tokenizer.encode(text, add_special_tokens=False)
-    from toolenv.tags import find_tool_call, unwrap_result
-
     if role == "tool":
         return syntax.result_ids(unwrap_result(text))
     call = find_tool_call(text)
@@ -108,8 +110,6 @@ def load_traces(path: str | Path, tokenizer: Any, max_len: int,
     path = Path(path)
     if not path.is_file():
         raise SFTDataError(f"{path}: file not found")
-    from arpo_async.core.files import iter_jsonl
-
     out = []
     for n, row in iter_jsonl(path, SFTDataError):
         ids, mask = encode_trace(tokenizer, row, f"{path}: row {n}", syntax)
@@ -124,7 +124,7 @@ def load_traces(path: str | Path, tokenizer: Any, max_len: int,
 def collate(batch: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[Any, Any]:
     """Right-padded [B, T] ids and loss mask (pads get mask 0). No attention mask is
     needed: with causal attention, right padding never reaches a real position."""
-    import torch
+    import torch  # torch: heavy; not for --help nor for the launcher
 
     width = max(len(ids) for ids, _ in batch)
     ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
@@ -141,7 +141,7 @@ def masked_lm_loss(model: Any, ids: Any, mask: Any, chunk: int = 512
     mask 1 (ids[:, 1:] predicted from ids[:, :-1]), with the output layer applied only to
     those positions, ``chunk`` at a time (arpo_async/core/logits.py): no [B, T, V] logits.
     Returns (loss, {"tokens", "accuracy"}), accuracy = greedy hits among the targets."""
-    from arpo_async.core.logits import causal_lm_logprobs
+    from arpo_async.core.logits import causal_lm_logprobs  # it imports torch: not for --help
 
     select = mask[:, 1:] > 0
     stats = causal_lm_logprobs(model, ids, select, chunk=chunk, hit=True)
@@ -265,7 +265,7 @@ def run_sft(model_dir: str | Path, data_path: str | Path, out_dir: str | Path,
     ``chunk``: targets per output-layer pass (``learner.logprob_chunk_tokens``). Returns the
     run's figures."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # transformers: heavy
 
     if not steps and not time_budget_s:
         raise ValueError("run_sft: give steps or time_budget_s")
@@ -276,9 +276,6 @@ def run_sft(model_dir: str | Path, data_path: str | Path, out_dir: str | Path,
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).train()
     syntax = None
     if tools is not None or template_kwargs:
-        from arpo_async.core.config import ToolsConfig
-        from toolenv.syntax import build_syntax
-
         syntax = build_syntax(tools or ToolsConfig(), tokenizer, template_kwargs)
     data = load_traces(data_path, tokenizer, max_len, syntax)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -19,14 +19,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import time
 import re
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from arpo_async.core.files import atomic_write_json, write_jsonl
+from toolenv.python_tool import PythonTool
+from toolenv.retriever_server import BM25Index
+from toolenv.search import format_passages, split_contents
 from toolenv.tags import format_result
 from toolenv.tasks.suite import (
     SPLITS,
@@ -52,16 +55,11 @@ class RealTools:
 
     def __init__(self, docs: list[dict], topk: int, snippet_chars: int, hide: list = (),
                  noise: float = 0.0, noise_seed: int = 0):
-        from toolenv.python_tool import PythonTool
-        from toolenv.retriever_server import BM25Index
-
         self.index = BM25Index(docs, noise, noise_seed)
         self.python = PythonTool(hide=list(hide))
         self.topk, self.snippet_chars = topk, snippet_chars
 
     def search(self, query: str) -> str:
-        from toolenv.search import format_passages, split_contents
-
         hits = self.index.search(query, self.topk)
         return format_passages([split_contents(d["contents"]) for d, _ in hits][: self.topk],
                                self.snippet_chars)

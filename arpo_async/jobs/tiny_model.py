@@ -55,6 +55,17 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    pre_tokenizers,
+    trainers,
+)
+
+from arpo_async.jobs.qwen_tokenizer import resolve_tokenizer_dir
 from toolenv.tags import format_result
 from toolenv.tasks.suite import COMMON_WORDS
 
@@ -91,7 +102,8 @@ MIN_HEAD_DIM = 32  # vLLM's CPU attention refuses 16 ("Unsupported CPU attention
 CORPUS_LINES = 10000  # enough for a 2048-entry vocabulary; ~2.5k is the most it reaches
 
 _WORDS = list(COMMON_WORDS)
-_SYLLABLES = [c + v for c in "bcdfghklmnprstvwz" for v in ("a", "e", "i", "o", "u", "ar", "en", "on")]
+_SYLLABLES = [c + v for c in "bcdfghklmnprstvwz"
+              for v in ("a", "e", "i", "o", "u", "ar", "en", "on")]
 
 
 def _pseudo_words(rng: random.Random, n: int) -> list[str]:
@@ -239,21 +251,14 @@ def build_tokenizer(vocab: int, seed: int = 0, corpus: Iterable[str] | None = No
     larger ``vocab`` needs more text in ``corpus``, else the tokenizer comes out smaller
     (a warning says so) and the model's vocabulary follows the tokenizer.
     ``tags_as_text``: no tag tokens; the tags stay in the training text (module docstring)."""
-    from tokenizers import (
-        AddedToken,
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        trainers,
-    )
+    # transformers: heavy; the launcher imports this module
     from transformers import PreTrainedTokenizerFast
 
     tags = [] if tags_as_text else ARPO_TAGS
     n_fixed = len(SPECIAL_TOKENS) + len(tags)
     if vocab < 256 + n_fixed + 1:
-        raise ValueError(f"vocab={vocab}: must exceed the 256 byte symbols + {n_fixed} fixed tokens")
+        raise ValueError(f"vocab={vocab}: must exceed the 256 byte symbols + {n_fixed} "
+                         "fixed tokens")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(QWEN_SPLIT_REGEX), behavior="isolated"),
@@ -305,7 +310,7 @@ def build_tiny_model(
     tokenizer folder (or ``qwen3``, arpo_async/jobs/qwen_tokenizer.py) to build the body
     around instead of training one (``vocab``, ``corpus`` and ``tags_as_text`` are then
     unused); the output layer gets ``padded_vocab_size`` rows. Returns the folder."""
-    import torch
+    import torch  # torch: heavy; the launcher imports this module
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
     kv_heads = kv_heads if kv_heads is not None else max(1, heads // 2)
@@ -313,7 +318,8 @@ def build_tiny_model(
         raise ValueError(f"hidden={hidden}, heads={heads}, kv_heads={kv_heads}: must divide evenly")
     head_dim = hidden // heads
     if head_dim < MIN_HEAD_DIM:
-        raise ValueError(f"head_dim = hidden/heads = {head_dim}: vLLM on CPU needs >= {MIN_HEAD_DIM}")
+        raise ValueError(f"head_dim = hidden/heads = {head_dim}: vLLM on CPU needs "
+                         f">= {MIN_HEAD_DIM}")
     out = Path(out_dir)
     if out.exists():
         raise FileExistsError(f"{out} already exists: remove it or choose another folder")
@@ -377,8 +383,6 @@ def padded_vocab_size(tokenizer: Any) -> int:
 def _real_tokenizer(tokenizer_dir: str | Path, scratch_parent: Path) -> Any:
     from transformers import AutoTokenizer
 
-    from arpo_async.jobs.qwen_tokenizer import resolve_tokenizer_dir
-
     scratch_parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=scratch_parent) as scratch:
         folder = resolve_tokenizer_dir(str(tokenizer_dir), Path(scratch))
@@ -418,7 +422,8 @@ def ensure_model(path: str | Path, cfg_model: Any) -> Path:
     if _HUB_NAME.match(str(path)) and not Path(str(path).split("/")[0]).exists():
         return p
     raise FileNotFoundError(
-        f"model.path: {p} does not exist (set model.build_if_missing=true to build a tiny local model)"
+        f"model.path: {p} does not exist (set model.build_if_missing=true to build a tiny "
+        "local model)"
     )
 
 

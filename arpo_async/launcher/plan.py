@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from arpo_async.core.config import Config, ConfigError, total_actors
+from arpo_async.core.config import Config, ConfigError, load_config, total_actors
 from arpo_async.core.host import is_loopback
 
 _WILDCARDS = ("0.0.0.0", "*", "::", "")
@@ -336,8 +336,6 @@ def format_plan(cfg: Config, roles: list[RoleSpec], notes: list[str]) -> str:
 def dry_run(args, prepare=None) -> int:
     """``launch --dry-run``: validate (with ``prepare``, the entry point's preflight, in
     its dry-run form: nothing is built), print the plan, start nothing."""
-    from arpo_async.core.config import load_config
-
     if getattr(args, "resume", None):
         cfg = load_config(Path(args.resume) / "config.yaml", args.overrides)
     else:

@@ -6,6 +6,9 @@ from __future__ import annotations
 import sys
 import time
 
+from rich.live import Live
+from rich.table import Table
+
 from arpo_async.core.metrics import read_metrics
 
 
@@ -18,8 +21,6 @@ class Progress:
         self.notes: list[str] = []
         self.live = None
         if not cfg.run.quiet and sys.stdout.isatty():
-            from rich.live import Live
-
             self.live = Live(self._render(None), refresh_per_second=2, transient=False)
             self.live.start()
 
@@ -55,8 +56,6 @@ class Progress:
         }
 
     def _render(self, row: dict | None):
-        from rich.table import Table
-
         table = Table(title="arpo_async", show_header=False, expand=False)
         for k, v in self._fields(row).items():
             table.add_row(k, v)

@@ -35,7 +35,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from arpo_async.core.protocol import ExitCode
+import yaml
+
+from arpo_async.core.config import ConfigError, _set_dotted, config_from_dict, save_config
+from arpo_async.core.keys import load_client_keys
+from arpo_async.core.protocol import Ack, ConfigReply, ConfigRequest, ExitCode
+from arpo_async.core.transport.control import ControlClient, TransportTimeout
 
 log = logging.getLogger("arpo_async.launcher.remote")
 
@@ -66,10 +71,6 @@ def local_config(learner_yaml: str, overrides: list[str], connect_host: str, con
                  run_dir: str | None, actor_id: int):
     """The learner's config as this machine runs it: host-local overrides, this run
     folder, the learner reached at ``connect_host``. Raises ConfigError naming the key."""
-    import yaml
-
-    from arpo_async.core.config import ConfigError, _set_dotted, config_from_dict
-
     tree = yaml.safe_load(learner_yaml)
     if not isinstance(tree, dict):
         raise ConfigError("the learner sent a config that is not a mapping")
@@ -94,8 +95,6 @@ def local_config(learner_yaml: str, overrides: list[str], connect_host: str, con
 
 def check_local_paths(cfg) -> list[str]:
     """Errors for files this machine must have; returns warnings."""
-    from arpo_async.core.config import ConfigError
-
     model = cfg.model.path
     hub_like = model.count("/") == 1 and not model.startswith((".", "/", "~"))
     if not Path(model).is_dir() and not hub_like:
@@ -127,12 +126,9 @@ def install_keys(src: str | Path, run_dir: str | Path) -> Path:
 async def fetch_config(endpoint: str, keys: Any, actor_id: int, wait_s: float,
                        max_bytes: int = 16 * 2**20) -> tuple[str, int]:
     """Ask the learner until it answers or ``wait_s`` passes (it may still be starting)."""
-    from arpo_async.core import protocol as P
-    from arpo_async.core.transport.control import ControlClient, TransportTimeout
-
     client = ControlClient(endpoint, timeout_s=5.0, curve=keys, max_bytes=max_bytes)
     deadline = time.monotonic() + wait_s
-    request = P.ConfigRequest(actor_id=actor_id, host=socket.gethostname(), pid=os.getpid())
+    request = ConfigRequest(actor_id=actor_id, host=socket.gethostname(), pid=os.getpid())
     try:
         while True:
             try:
@@ -145,9 +141,9 @@ async def fetch_config(endpoint: str, keys: Any, actor_id: int, wait_s: float,
                         "keys passed with --keys?") from None
                 log.info("waiting for the learner at %s", endpoint)
                 continue
-            if isinstance(reply, P.ConfigReply):
+            if isinstance(reply, ConfigReply):
                 return reply.config_yaml, reply.actor_id
-            reason = reply.reason if isinstance(reply, P.Ack) else type(reply).__name__
+            reason = reply.reason if isinstance(reply, Ack) else type(reply).__name__
             raise RuntimeError(f"the learner refused: {reason}")
     finally:
         client.close()
@@ -225,9 +221,6 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s remote-actor %(message)s")
-    from arpo_async.core.config import ConfigError, save_config
-    from arpo_async.core.keys import load_client_keys
-
     try:
         host, port = parse_endpoint(args.connect)
         keys = load_client_keys(args.keys) if args.keys else None

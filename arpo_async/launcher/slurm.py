@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from arpo_async.core.config import Config, ConfigError, RemoteActorsConfig, load_config, save_config
+from arpo_async.core.files import atomic_write_bytes
 from arpo_async.core.host import is_loopback
 from arpo_async.core.keys import generate, keys_dir
 from arpo_async.launcher.plan import DEFAULT_MASTER_PORT
@@ -222,8 +223,6 @@ def run_slurm(args, prepare: Preflight | None = None) -> int:
 
 def write_summary(run_dir: Path, learner_exit: int, wall_s: float) -> dict:
     """RUN_DIR/summary.json of a Slurm job, as the launcher writes it for its own runs."""
-    from arpo_async.core.files import atomic_write_bytes
-
     cfg = load_config(run_dir / "config.yaml")
     status = "ok" if learner_exit == 0 else "failed"
     reason = "" if learner_exit == 0 else f"learner step exited with code {learner_exit}"

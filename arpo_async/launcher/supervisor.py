@@ -28,8 +28,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from arpo_async.core.config import Config, ConfigError, load_config, save_config
+from arpo_async.core.dsops import prebuild_deepspeed_ops
+from arpo_async.core.files import atomic_write_bytes, atomic_write_json, read_json
+from arpo_async.core.host import is_loopback
+from arpo_async.core.keys import SecurityError, keys_dir, require_security
+from arpo_async.core.metrics import append_jsonl, read_metrics
+from arpo_async.core.rundir import exit_record, latest_checkpoint, recorded_exit
 from arpo_async.launcher.plan import RoleSpec
 from arpo_async.launcher.plan import plan as process_plan
+from arpo_async.launcher.progress import Progress
 
 
 def _free_port(host: str) -> int:
@@ -83,9 +90,6 @@ def resolve(args: LaunchRequest, prepare: Preflight | None = None) -> Config:
 def _check_security(cfg: Config) -> None:
     """A non-loopback bind needs CurveZMQ keys in RUN_DIR/keys, or transport.insecure
     (then a warning says what is exposed)."""
-    from arpo_async.core.host import is_loopback
-    from arpo_async.core.keys import SecurityError, keys_dir, require_security
-
     host = cfg.transport.host
     try:
         keys = require_security(host, cfg.transport.insecure, keys_dir(cfg.run.dir))
@@ -175,9 +179,6 @@ def _cmdline(pid: int) -> list[str]:
 
 def _adopt(roles: list[Role], run_dir: Path, events: Events) -> None:
     """--resume: take over the roles of processes.json that still run the same command."""
-    from arpo_async.core.files import read_json
-    from arpo_async.core.rundir import exit_record, recorded_exit
-
     pids = read_json(run_dir / "processes.json") or {}
     for role in roles:
         pid = pids.get(role.name)
@@ -203,8 +204,6 @@ class Events:
         self.path = run_dir / "events.jsonl"
 
     def log(self, event: str, role: str, **fields) -> None:
-        from arpo_async.core.metrics import append_jsonl
-
         append_jsonl(self.path, {"time": time.time(), "event": event, "role": role, **fields})
 
 
@@ -270,12 +269,8 @@ def launch(args: LaunchRequest, prepare: Preflight | None = None) -> int:
         _adopt(roles, run_dir, events)
     save_config(cfg, config_path)
     if cfg.cluster.device == "cpu":  # GPU learners use DeepSpeed's CUDA ops instead
-        from arpo_async.core.dsops import prebuild_deepspeed_ops
-
         prebuild_deepspeed_ops()
     _print_remote(remote)
-    from arpo_async.launcher.progress import Progress
-
     progress = Progress(cfg)
     t0 = time.time()
     for r in roles:
@@ -303,8 +298,6 @@ def launch(args: LaunchRequest, prepare: Preflight | None = None) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     summary = run_summary(cfg, roles, status, reason, time.time() - t0)
-    from arpo_async.core.files import atomic_write_bytes
-
     atomic_write_bytes(run_dir / "summary.json", json.dumps(summary, indent=1).encode())
     progress.final(summary)
     if status != "ok":
@@ -355,8 +348,6 @@ def _watch(cfg: Config, roles: list[Role], progress, run_dir: Path,
             _signal_group(learner.proc, signal.SIGKILL)  # torchrun ranks left behind
             learner.cmd = _with_resume(learner.cmd, cfg.cluster.master_port)
             due[learner.name] = now + _backoff(cfg.learner.restart_backoff_s, learner.restarts)
-            from arpo_async.core.rundir import latest_checkpoint
-
             ckpt = latest_checkpoint(run_dir)
             progress.note(f"learner exited with code {code}; restart {learner.restarts} "
                           + (f"resumes from {ckpt.name}" if ckpt else
@@ -395,8 +386,6 @@ def _watch(cfg: Config, roles: list[Role], progress, run_dir: Path,
 
 
 def _write_processes(run_dir: Path, roles: list[Role]) -> None:
-    from arpo_async.core.files import atomic_write_json
-
     atomic_write_json(run_dir / "processes.json",
                       {r.name: r.proc.pid for r in roles if r.proc is not None})
 
@@ -404,8 +393,6 @@ def _write_processes(run_dir: Path, roles: list[Role]) -> None:
 def run_summary(cfg: Config, roles: list[Role], status: str, reason: str, wall: float) -> dict:
     """RUN_DIR/summary.json's content, from the learner's summary and metrics (also for
     runs placed by Slurm, arpo_async/launcher/slurm.py, with ``roles`` empty)."""
-    from arpo_async.core.metrics import read_metrics
-
     run_dir = Path(cfg.run.dir)
     rows = read_metrics(run_dir)
     learner = {}

@@ -130,7 +130,7 @@ class NcclWeightSender:
     @classmethod
     def create(cls, cfg) -> NcclWeightSender:
         """For ``learner.weight_sync=nccl``; raises with what is missing."""
-        try:
+        try:  # torch, vllm: the NCCL path only (vllm from the gpu extra)
             import torch
             from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator  # noqa
         except ImportError as exc:

@@ -14,7 +14,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from toolenv.syntax import build_syntax
 from toolenv.tags import Markup, last_boxed
+from toolenv.tasks.data import Example, load_examples
+from toolenv.tasks.rewards import score_response
+from toolenv.tasks.suite import SYSTEM_PROMPT, SuiteSpec, make_tasks
 
 ARITH_SYSTEM = "Answer with the final number in \\boxed{}."
 # The synthetic suite's prompt teaches ARPO's tags; under tools.syntax=hermes the tools
@@ -52,8 +56,6 @@ class PromptSource:
         self._seed = [cfg.task.seed, cfg.run.seed, stream]
         self.rng = np.random.default_rng(self._seed)
         self.items = self._load()
-        from toolenv.syntax import build_syntax
-
         self.syntax = build_syntax(cfg.tools, tokenizer, cfg.model.chat_template_kwargs)
         self.order = self.rng.permutation(len(self.items))
         self.pos = 0
@@ -69,8 +71,6 @@ class PromptSource:
             return [Prompt(f"arith-{i}", f"What is {x} + {y}?", [str(x + y)], "arith",
                            system_prompt=ARITH_SYSTEM) for i, (x, y) in enumerate(zip(a, b))]
         if task.name == "file":
-            from toolenv.tasks.data import load_examples
-
             return [Prompt(e.id, e.question, list(e.answers), e.kind,
                            system_prompt=e.system_prompt, meta={**e.meta, "row": e.row})
                     for e in load_examples(task.data, on_bad_row=task.on_bad_row)]
@@ -146,9 +146,6 @@ class PromptSource:
         if prompt.kind == "arith":
             s = arith_score(response, prompt.answers)
             return s, s
-        from toolenv.tasks.data import Example
-        from toolenv.tasks.rewards import score_response
-
         ex = Example(prompt.id, prompt.question, prompt.answers, prompt.kind)
         result = score_response(response, ex, markup=self.markup)
         return result.reward, result.correct
@@ -176,16 +173,12 @@ def encode_prompt(tokenizer, system: str | None, question: str, syntax=None) -> 
 
 
 def _suite_system() -> str:
-    from toolenv.tasks.suite import SYSTEM_PROMPT
-
     return SYSTEM_PROMPT
 
 
 def synthetic_prompts(seed: int, n: int) -> list[Prompt]:
     """The RL split as ``toolenv.tasks.prompts.Prompt``s (task.name=synthetic_tools); the same
     items as rl.jsonl written with this seed and --rl n (and the default entity count)."""
-    from toolenv.tasks.suite import SYSTEM_PROMPT, SuiteSpec, make_tasks
-
     tasks = make_tasks(SuiteSpec(seed=seed, rl=n), "rl")
     return [Prompt(t.id, t.question, [t.answer], "math", system_prompt=SYSTEM_PROMPT,
                    meta={"task": t.kind}) for t in tasks]

@@ -174,7 +174,7 @@ COMMON_WORDS = tuple(_COMMON_TEXT.split())
 
 
 def _words(rng: np.random.Generator, n: int, make, taken: set[str]) -> list[str]:
-    from bm25s.stopwords import STOPWORDS_EN
+    from bm25s.stopwords import STOPWORDS_EN  # bm25s: heavy (about 1.5 s)
 
     banned = taken | set(STOPWORDS_EN) | set(COMMON_WORDS)
     out: list[str] = []

@@ -96,7 +96,7 @@ def encode(msg: Any) -> list[Any]:
     wire = [(n, *_wire_array(n, a, n in bf16)) for n, a in arrays]
     header = {"p": PROTOCOL_VERSION, "kind": kind, "body": body,
               "arrays": [[n, dtype, list(a.shape)] for n, dtype, a in wire]}
-    import msgpack
+    import msgpack  # msgpack: not for the pure modules (see the note at the top)
 
     return ([msgpack.packb(header, use_bin_type=True, default=_plain)]
             + [_array_bytes(a) for _, _, a in wire])
