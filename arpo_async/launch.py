@@ -33,9 +33,6 @@ import sys
 from pathlib import Path
 
 from arpo_async.core.config import ConfigError, describe, load_config
-from arpo_async.jobs.pipeline import USER_CONFIG
-from arpo_async.jobs.pipeline import run as run_pipeline
-from arpo_async.jobs.preflight import prepare_run
 from arpo_async.launcher.plan import dry_run
 from arpo_async.launcher.remote import main as actor_main
 from arpo_async.launcher.slurm import run_slurm
@@ -72,6 +69,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _is_pipeline(args) -> bool:
     """The whole job (arpo_async/jobs/pipeline.py) or the RL stage alone (supervisor)?"""
+    from arpo_async.jobs.pipeline import USER_CONFIG  # the jobs: see main
+
     if args.resume:
         return (Path(args.resume) / USER_CONFIG).is_file()
     return load_config(args.config, args.overrides).pipeline.enabled
@@ -85,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.emit and not args.slurm:
         print("--emit writes a Slurm script: pass --slurm too", file=sys.stderr)
         return 2
+    # The jobs load the engines' clients and aiohttp (0.4 s): --help and `actor` need none.
+    from arpo_async.jobs.pipeline import run as run_pipeline
+    from arpo_async.jobs.preflight import prepare_run
+
     try:
         if args.slurm:
             return run_slurm(args, prepare=prepare_run)
