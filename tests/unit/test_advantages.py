@@ -82,7 +82,7 @@ def _reference(seqs, leaf_adv):
     first p+1 tokens are identical; it gets their mean advantage and is counted once."""
     advs, owned = [], set()
     owner = []
-    for i, s in enumerate(seqs):
+    for s in seqs:
         row, own = [], []
         for p in range(len(s)):
             group = [j for j, t in enumerate(seqs) if len(t) > p and t[:p + 1] == s[:p + 1]]

@@ -103,7 +103,8 @@ def test_shapes_of_answers(tmp_path):
 
 
 def test_kind_override_limit_and_inference_failure(tmp_path):
-    path = _jsonl(tmp_path / "things.jsonl", [{"question": f"q{i}", "answer": "a"} for i in range(5)])
+    path = _jsonl(tmp_path / "things.jsonl",
+                  [{"question": f"q{i}", "answer": "a"} for i in range(5)])
     with pytest.raises(DataError, match=r"things\.jsonl: row 1: cannot tell math from qa"):
         load_examples(path)
     ex = load_examples(path, kind="qa", limit=3)
@@ -132,7 +133,8 @@ def test_bad_rows_name_file_and_row(tmp_path, rows, message):
 
 def test_skip_bad_rows(tmp_path):
     path = _jsonl(tmp_path / "gsm8k_some_bad.jsonl",
-                  [{"question": "q", "answer": "1"}, {"question": "q"}, {"question": "r", "answer": 3}])
+                  [{"question": "q", "answer": "1"}, {"question": "q"},
+                   {"question": "r", "answer": 3}])
     ex = load_examples(path, on_bad_row="skip")
     assert [e.answers for e in ex] == [["1"], ["3"]]
     assert [e.id for e in ex] == ["gsm8k_some_bad:0", "gsm8k_some_bad:2"]

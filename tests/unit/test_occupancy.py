@@ -50,7 +50,7 @@ async def test_interrupt_calls_the_stoppers_and_drain_does_not():
         stopped = asyncio.Event()
         calls = []
 
-        async def call():
+        async def call(gate=gate, calls=calls, stopped=stopped, mode=mode):
             async with gate.call(stop=lambda: (calls.append(1), stopped.set())):
                 await asyncio.wait_for(stopped.wait(), 0.2) if mode == "interrupt" else \
                     await asyncio.sleep(0.05)

@@ -47,7 +47,8 @@ def test_constants():
         ("<search>  Eiffel tower height </search>\n ", ToolCall("search", "Eiffel tower height")),
         # the last opening tag before the closing one wins
         ("<python>a=1</python><result>1</result><python>b=2</python>", ToolCall("python", "b=2")),
-        ("<python>\n```python\nx = 1\nprint(x)\n```\n</python>", ToolCall("python", "x = 1\nprint(x)")),
+        ("<python>\n```python\nx = 1\nprint(x)\n```\n</python>",
+         ToolCall("python", "x = 1\nprint(x)")),
         ("<python>```\nprint(2)```</python>", ToolCall("python", "print(2)")),
         ("<python>\n    if True:\n        print(3)\n</python>",
          ToolCall("python", "if True:\n    print(3)")),
