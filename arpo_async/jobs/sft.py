@@ -296,7 +296,8 @@ def run_sft(model_dir: str | Path, data_path: str | Path, out_dir: str | Path,
         ids, mask = collate([data[i] for i in batches.next()], pad)
         window.append(_train_step(model, opt, ids, mask, chunk))
         step, tokens = step + 1, tokens + ids.numel()
-        if time.perf_counter() - last_log >= LOG_EVERY_S or step == steps:
+        # step 1 is always a line of its own: loss_first is the loss before any update
+        if time.perf_counter() - last_log >= LOG_EVERY_S or step in (1, steps):
             history.append(_log_line(log, step, steps, window, opt, tokens,
                                      time.perf_counter() - t0, time_budget_s))
             window, last_log = [], time.perf_counter()
