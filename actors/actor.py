@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -46,6 +47,18 @@ from arpo_async.core.transport.trajectory import TrajectorySender
 from toolenv.tasks.prompts import PromptSource
 
 log = logging.getLogger("actor")
+
+# Fault point for tests: "ACTOR:VERSION" makes that actor stop its own process group
+# (SIGSTOP) once, right after it was granted a ticket with weights VERSION or newer
+# loaded, so that a test holds it stopped with a ticket for exactly as long as it wants
+# (a stop sent from outside races the group's end). Unset in every real run.
+FAULT_STOP_AFTER_GRANT = "ARPO_FAULT_STOP_AFTER_GRANT"
+
+
+def _fault_stop_version(actor_id: int) -> int | None:
+    spec = os.environ.get(FAULT_STOP_AFTER_GRANT, "")
+    who, _, version = spec.partition(":")
+    return int(version) if spec and int(who) == actor_id else None
 
 
 class Actor:
@@ -70,6 +83,7 @@ class Actor:
         self._weights_lock = asyncio.Lock()
         self._in_flight: set[int] = set()  # stream positions of prompts not yet delivered
         self._probe_path = Path(cfg.run.dir) / f"actor{actor_id}_probe.jsonl"
+        self._stop_at = _fault_stop_version(actor_id)
         # ZeroMQ until run() has met the learner and picked the configured channel
         self.weights: WeightReceiver = ZmqWeightReceiver(self.control, actor_id)
 
@@ -161,6 +175,13 @@ class Actor:
         as generating before this coroutine first waits (``Rollout.run``)."""
         pos = self.source.position
         self._in_flight.add(pos)
+        log.debug("actor %d: group at stream position %d started on v%d", self.actor_id, pos,
+                  self.engine.version)
+        if self._stop_at is not None and self.engine.version >= self._stop_at:
+            self._stop_at = None
+            log.warning("actor %d: %s: stopping with a ticket held, on v%d", self.actor_id,
+                        FAULT_STOP_AFTER_GRANT, self.engine.version)
+            os.killpg(os.getpgrp(), signal.SIGSTOP)  # a test sends SIGCONT
         group = await self.rollout.run(self.source.next(), self.actor_id)
         # the actor's own figures next to the rollout's (branch/*), never instead of them
         group.stats = {**group.stats, "gen_s": time.time() - group.created_at,

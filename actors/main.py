@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     name = f"actor{ids[0]}" if len(ids) == 1 else f"actors{ids[0]}-{ids[-1]}"
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(name)s %(message)s")
     cfg = load_config(args.config)
+    cfg.run.apply_log_level()
     try:
         asyncio.run(run_actors(cfg, ids))
     except TransportTimeout as exc:

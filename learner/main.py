@@ -23,7 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from learner.loop import LearnerLoop  # it imports torch: not for --help
 
-    LearnerLoop(load_config(args.config), resume=args.resume).run()
+    cfg = load_config(args.config)
+    cfg.run.apply_log_level()
+    LearnerLoop(cfg, resume=args.resume).run()
     return ExitCode.OK
 
 

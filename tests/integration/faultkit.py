@@ -22,13 +22,13 @@ __all__ = ["Run", "check_ledger", "gone", "signal_group"]
 class Run:
     """A launcher started in the background, and what it writes in its run folder."""
 
-    def __init__(self, run_dir: Path, model: Path, *overrides: str):
+    def __init__(self, run_dir: Path, model: Path, *overrides: str, env: dict | None = None):
         self.dir = run_dir
         self.out = (run_dir.parent / f"{run_dir.name}.out").open("w")
         cmd = [PY, "-m", "arpo_async.launch", "--quiet", "--config", SPINE, f"run.dir={run_dir}",
                f"model.path={model}", "learner.loss.entropy_coef=0.01", *overrides]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=python_env(), stdout=self.out,
-                                     stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=python_env() | (env or {}),
+                                     stdout=self.out, stderr=subprocess.STDOUT)
 
     def rows(self) -> list[dict]:
         from arpo_async.core.metrics import read_metrics

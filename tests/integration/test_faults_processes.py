@@ -8,9 +8,11 @@ import json
 import re
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
+from actors.actor import FAULT_STOP_AFTER_GRANT
 from tests.integration.faultkit import Run, check_ledger, gone, signal_group
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -18,23 +20,20 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 # ----------------------------------------------------------------------------- actor faults
 
 SILENT_S = 4  # learner.actor_silent_s of the kill+stall run
-# learner.max_steps of the kill+stall run: the kill and a first stall that holds are over
-# by step 12 or so on a 2-core VM (a faster machine makes more steps in the timed waits);
-# the rest leaves room for one more stall and the recovery. (At 30 steps, ~40 s went to
-# steps that no assertion looks at.)
-MAX_STEPS = 20
-STALL_STEPS = 6  # a fresh step, 3 steps stopped, the late group's arrival, recovery
-# transport.timeout_s of the kill+stall run: the first stall lasts as long as actor 0's
-# restart (26-33 s here). Past the default 30 s, actor 1's requests time out when it
-# resumes and it says Hello again: its tickets are voided and a retried ticket request is
-# granted anew (seen 2026-12-01: that stall left no late group, a second one was needed).
-# Request timeouts and reconnects are the frozen-learner test's subject, below.
+# actor 1 stops itself (actors/actor.py FAULT_STOP_AFTER_GRANT) holding a ticket on these
+# weights: a few steps after actor 0's kill at step 2, while actor 0 restarts (26-45 s here)
+STOP_AT = 6
+# learner.max_steps of the kill+stall run: the stall is over by step ~9, the rest is the
+# recovery (both actors train again)
+MAX_STEPS = 14
+# transport.timeout_s of the kill+stall run: the stall lasts as long as actor 0's restart.
+# Past the default 30 s, actor 1's requests time out when it resumes and it says Hello
+# again, which voids its tickets another way; request timeouts and reconnects are the
+# frozen-learner test's subject, below.
 REQUEST_TIMEOUT_S = 120
 # learner/service.py expire_silent, from the learner's ledger: only an actor with
 # outstanding tickets (granted, group not received) is named
 _RELEASED_ACTOR1 = re.compile(r"actor 1 silent for \d+ s: released its (\d+) tickets")
-_RELEASED_ACTOR0 = re.compile(r"actor 0 silent for \d+ s: released its (\d+) tickets")
-_LOADED_ACTOR1 = re.compile(r"actor 1: weights v(\d+) loaded")  # actors/actor.py
 
 
 def _poll(run: Run, cond, timeout: float, every: float = 0.02) -> bool:
@@ -48,57 +47,41 @@ def _poll(run: Run, cond, timeout: float, every: float = 0.02) -> bool:
     return True
 
 
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (state T in /proc/PID/stat)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
 def _stall_actor1(run: Run, pid: int) -> dict:
-    """SIGSTOP actor 1 while it holds a ticket, for 3 steps and more than 5 s, then
-    SIGCONT; what the learner's ledger saw.
+    """Actor 1 stopped with a ticket held, for 3 steps and more than 5 s, then SIGCONT;
+    what the learner's ledger saw.
 
-    When: after a fresh step, the moment actor 1 logs that it loaded that step's weights.
-    Its weights load at a safe point (after its calls in flight drained), and right after
-    it its slots are granted tickets at that version and generate with it: the step just
-    published opened capacity, and a slot refused for its older weights asks again. A
-    group of 8 x 192 tokens then takes about a second; on the 96 tokens spine.yaml allows
-    (as sampling.max_response_tokens) it took ~0.4 s, which a later stop often missed.
-    Whether it really held one is not guessed: the learner releases the tickets of an
-    actor silent for ``actor_silent_s`` only if its ledger counts some outstanding, and
-    logs it by actor (``held``). Such a group arrives after SIGCONT with tokens sampled
-    3 versions back, past max_staleness=1: the learner's ledger drops it as stale
-    (RUN_DIR/state.json, per actor: ``stale_after``, and ``late_dropped`` when this stall
-    added to it)."""
-    before = run.step()
-    run.wait_for("a fresh step", lambda: run.step() > before, 120)
-    fresh = run.step()
-
-    def loaded() -> int:
-        return max(map(int, _LOADED_ACTOR1.findall(run.role_log("actor1"))), default=-1)
-
-    on_fresh = _poll(run, lambda: loaded() >= fresh, 60)
-    # its slots ask for tickets and start generating: past the request's round trip (a
-    # ticket granted whose reply is still unread is held but has no tokens yet), well
-    # before the group's end
-    time.sleep(0.15)
-    releases = len(_RELEASED_ACTOR1.findall(run.role_log("learner")))
-    stale = _stale(run)
-    signal_group(pid, signal.SIGSTOP)
+    The stop is forced, not timed: run with ``ARPO_FAULT_STOP_AFTER_GRANT=1:STOP_AT``,
+    actor 1 SIGSTOPs its own process group right after a ticket was granted on weights
+    ``STOP_AT``, before its group's requests reach the engine. The learner then releases
+    that ticket once actor 1 is silent for ``actor_silent_s`` (logged by actor: ``held``),
+    and after SIGCONT the group is generated on those weights, 3 versions back, past
+    max_staleness=1: the learner's ledger drops it as stale (RUN_DIR/state.json, per
+    actor: ``stale_after``, and ``late_dropped`` when this stall added to it)."""
+    assert _poll(run, lambda: _stopped(pid), 300), "actor 1 never reached its fault point"
     stopped_at, t_stop = run.step(), time.time()
+    releases = len(_RELEASED_ACTOR1.findall(run.role_log("learner")))  # none within 4 s
+    stale = _stale(run)
     try:
         run.wait_for("3 steps past the stall",
                      lambda: run.step() >= stopped_at + 3 and time.time() > t_stop + 5, 300)
     finally:
         signal_group(pid, signal.SIGCONT)
-    stalled_s, resumed_at, t_cont = time.time() - t_stop, run.step(), time.time()
+    stalled_s, t_cont = time.time() - t_stop, time.time()
     held = len(_RELEASED_ACTOR1.findall(run.role_log("learner"))) > releases
-    # the group it held arrives (finishing it takes seconds) and is dropped as stale; a
-    # few steps without that drop (the ticket was granted but its reply not yet read when
-    # it stopped: that group starts on new weights) leave steps for another try
-    def dropped() -> bool:
-        return _stale(run) > stale
-
-    late = held and _poll(run, lambda: dropped() or (
-        run.step() >= resumed_at + 3 and time.time() > t_cont + 10), 60, every=0.2)
-    late = late and dropped()
-    return {"fresh": fresh, "on_fresh_weights": on_fresh, "stopped_at": stopped_at,
-            "stalled_s": round(stalled_s), "held": held, "stale_after": _stale(run),
-            "late_dropped": late}
+    # the group it held is generated now (seconds) and dropped as stale on arrival
+    late = _poll(run, lambda: _stale(run) > stale, 60, every=0.2)
+    return {"stopped_at": stopped_at, "stalled_s": round(stalled_s), "held": held,
+            "stale_after": _stale(run), "late_dropped": late,
+            "resumed_after_s": round(time.time() - t_cont, 1)}
 
 
 def _stale(run: Run) -> int:
@@ -109,44 +92,27 @@ def _stale(run: Run) -> int:
 def test_killed_actor_restarts_and_a_stalled_one_only_loses_its_late_groups(tiny_model_dir,
                                                                            tmp_path):
     """SIGKILL actor 0 (vLLM): the learner keeps training on actor 1, the launcher restarts
-    actor 0. SIGSTOP actor 1 for longer than the staleness bound (the first time while
-    actor 0 is still restarting): actor 0 alone carries on once back (actor 1's tickets are
-    released), and actor 1's late groups are dropped and counted.
-
-    Actor 1 is stopped while it holds a ticket (``_stall_actor1``), and the stall is
-    repeated (at most 3 times, while MAX_STEPS leaves room) until the learner's ledger
-    shows actor 1's late group dropped as stale after it. (Tickets actor 0 held when it
-    was killed may be released as "actor_silent" too: that counter alone does not tell
-    that actor 1 held one.)"""
+    actor 0. Actor 1 stops holding a ticket while actor 0 is still restarting, for longer
+    than the staleness bound (``_stall_actor1``): actor 0 alone carries on once back (actor
+    1's ticket is released), and actor 1's late group is dropped and counted. (Tickets
+    actor 0 held when it was killed may be released as "actor_silent" too: that counter
+    alone does not tell that actor 1 held one.)"""
     # long groups (a random model rarely stops early): actors are busy generating, so a
     # stopped actor holds tickets (spine.yaml caps responses at 96 tokens: lift it too)
     run = Run(tmp_path / "run", tiny_model_dir, "actors.num=2", f"learner.max_steps={MAX_STEPS}",
               "rollout.mode=grpo", "rollout.group_size=8", "sampling.max_new_tokens=192",
               "sampling.max_response_tokens=192", "learner.batch_groups=2",
-              # group slots: the stall is timed against a slot's grant right after a
-              # weights load (_stall_actor1); the scheduler admits on its own clock (it
-              # failed this way once in a clean-clone suite run). The chaos test kills
-              # and stops actors that run the trajectory-level scheduler.
               "actors.max_inflight_trajectories=0", "actors.concurrent_groups=2",
               f"learner.actor_silent_s={SILENT_S}",
               "actors.restart_backoff_s=1", "actors.max_restarts=2",
-              f"transport.timeout_s={REQUEST_TIMEOUT_S}")
+              f"transport.timeout_s={REQUEST_TIMEOUT_S}",
+              env={FAULT_STOP_AFTER_GRANT: f"1:{STOP_AT}"})
     run.wait_for("step 2", lambda: run.step() >= 2, 400)
     first = run.pids()
     signal_group(first["actor0"], signal.SIGKILL)
-    killed_at, t_kill = run.step(), time.time()
-    run.wait_for("two steps without actor 0", lambda: run.step() >= killed_at + 2, 120)
-    # the tickets the dead actor 0 held count against admission until the learner releases
-    # them (silent for actor_silent_s): until then actor 1 may be refused for capacity, and
-    # hold none. Either they are released (logged), or it had none (no line).
-    _poll(run, lambda: _RELEASED_ACTOR0.search(run.role_log("learner")) is not None,
-          t_kill + SILENT_S + 4 - time.time(), every=0.2)
-
-    stalls = []
-    while len(stalls) < 3 and run.step() + STALL_STEPS <= MAX_STEPS:
-        stalls.append(_stall_actor1(run, first["actor1"]))
-        if stalls[-1]["held"] and stalls[-1]["late_dropped"]:
-            break
+    killed_at = run.step()
+    assert killed_at < STOP_AT, killed_at
+    stall = _stall_actor1(run, first["actor1"])
     summary = run.finish()
 
     assert summary["status"] == "ok" and summary["steps"] == MAX_STEPS
@@ -158,12 +124,12 @@ def test_killed_actor_restarts_and_a_stalled_one_only_loses_its_late_groups(tiny
     check_ledger(ledger)
     assert ledger["0"]["incarnations"] == 2 and ledger["1"]["incarnations"] == 1
     assert ledger["1"]["lost"] == 0
-    assert ledger["1"]["dropped"].get("stale", 0) >= 1, (ledger, stalls)  # its late groups
+    assert ledger["1"]["dropped"].get("stale", 0) >= 1, (ledger, stall)  # its late groups
     assert summary["learner"]["admission"]["released_actor_silent"] >= 1
-    # a stall in which actor 1's own tickets were released, and its late group (sampled
-    # before the stop) then dropped as stale: stale drops also happen without a stall
-    # (groups finishing out of order), so the count above alone does not show it
-    assert any(s["held"] and s["late_dropped"] for s in stalls), stalls
+    # the stall's own ticket was released, and its late group (sampled on the weights of
+    # the stop) then dropped as stale: stale drops also happen without a stall (groups
+    # finishing out of order), so the count above alone does not show it
+    assert stall["held"] and stall["late_dropped"], stall
     # metrics.jsonl: the gap (the learner waits while actor 0 restarts and actor 1 is
     # stopped; fewer actors alive; actor 1 silent past actor_silent_s) and the recovery
     # (actor 0's new incarnation trained on, then actor 1 alive again)
@@ -179,7 +145,7 @@ def test_killed_actor_restarts_and_a_stalled_one_only_loses_its_late_groups(tiny
     # the restarted actor continued its prompt stream where the learner last saw it
     assert "continuing the prompt stream at position" in (run.dir / "logs" / "actor0.log"
                                                            ).read_text()
-    print(f"\nkill+stall: actor0 killed at step {killed_at}, actor1 stalls {stalls}; "
+    print(f"\nkill+stall: actor0 killed at step {killed_at}, actor1 stall {stall}; "
           f"gap {rows[gap]['wait_s']:.0f} s before step {rows[gap]['step']}; "
           f"ledger {json.dumps(ledger)}")
 

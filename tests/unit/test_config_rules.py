@@ -87,3 +87,20 @@ def test_each_wait_and_backoff_has_its_own_key():
     assert (cfg.actors.restart_backoff_s, cfg.learner.restart_backoff_s) == (1, 7)
     assert (cfg.transport.timeout_s, cfg.actors.stop_wait_s,
             cfg.learner.shutdown_wait_s) == (3, 11, 13)
+
+
+def test_run_log_level_reaches_the_project_loggers_only():
+    import logging
+
+    names = ("actor", "actors.actor", "learner.service", "toolenv.runner", "arpo_async.core")
+    before = {n: logging.getLogger(n).level for n in ("actor", "actors", "learner", "toolenv",
+                                                    "arpo_async", "vllm")}
+    try:
+        load_config(SPINE_CONFIG, ["run.log_level=DEBUG"]).run.apply_log_level()
+        assert all(logging.getLogger(n).isEnabledFor(logging.DEBUG) for n in names)
+        assert logging.getLogger("vllm").level == before["vllm"]
+        with pytest.raises(ConfigError, match="run.log_level"):
+            load_config(SPINE_CONFIG, ["run.log_level=LOUD"])
+    finally:
+        for name, level in before.items():
+            logging.getLogger(name).setLevel(level)

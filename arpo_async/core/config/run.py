@@ -4,6 +4,7 @@ around RL) and ``metrics``."""
 from __future__ import annotations
 
 import importlib.util
+import logging
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -24,9 +25,17 @@ class RunConfig(_Section):
     tool_call_budget: int = Field(
         0, ge=0, description="stop the RL stage once the groups trained have executed this "
         "many tool calls (0: no limit), to compare rollouts at equal tool cost")
+    log_level: Literal["DEBUG", "INFO", "WARNING"] = Field(
+        "INFO", description="level of the project's own loggers in the role logs (DEBUG adds a "
+        "line per group an actor starts; the libraries' loggers stay at INFO)")
     probe_logprobs: bool = Field(
         False, description="log actor and learner log-probs of a fixed sequence per weight version"
     )
+
+    def apply_log_level(self) -> None:
+        """Set ``log_level`` on the project's own loggers (a role's ``main`` calls it)."""
+        for package in ("actor", "actors", "learner", "toolenv", "arpo_async"):
+            logging.getLogger(package).setLevel(self.log_level)
 
 
 class ModelConfig(_Section):
@@ -95,6 +104,9 @@ class PipelineConfig(_Section):
     eval_k: int = Field(2, ge=1, description="samples per held-out prompt (pass@1 averages them)")
     eval_temperature: float = Field(
         -1.0, description="evaluation temperature (< 0: sampling.temperature)")
+    eval_engine: Literal["", "vllm", "transformers"] = Field(
+        "", description="engine of the evaluation stages ('': actors.engine); transformers "
+        "starts in a second where vLLM takes 15 s, for small held-out splits")
 
 
 def _importable(name: str) -> bool:
