@@ -134,7 +134,7 @@ def run_eval(cfg: Config, model_path: str, retriever_url: str, out: Path) -> dic
     res = evaluate(ecfg, Path(p.data_dir) / "heldout.jsonl", k=p.eval_k,
                    limit=p.eval_limit or None, out_dir=out,
                    temperature=p.eval_temperature if p.eval_temperature >= 0 else None,
-                   retriever_url=retriever_url)
+                   engine=p.eval_engine or None, retriever_url=retriever_url)
     return {"dir": str(out), **res}
 
 
@@ -270,8 +270,8 @@ def write_summary(run_dir: Path, stages: StageLog, before: dict, rl: dict, after
         "heldout_size": after["n"], "eval_k": after["k"],
         f"pass@{after['k']}_after_sft": before.get(f"pass@{after['k']}"),
         f"pass@{after['k']}_after_rl": after.get(f"pass@{after['k']}"),
-        "tool_calls_per_question": after["tool_calls_per_sample"],
-        "tool_calls_per_question_after_sft": before["tool_calls_per_sample"],
+        "tool_calls_per_sample": after["tool_calls_per_sample"],
+        "tool_calls_per_sample_after_sft": before["tool_calls_per_sample"],
         # samples that answered without calling a tool (guesses on this suite)
         "no_tool_share_after_sft": before.get("no_tool_share"),
         "no_tool_share_after_rl": after.get("no_tool_share"),
@@ -297,8 +297,8 @@ def print_summary(s: dict) -> None:
         f"({100 * (s['accuracy_after_rl'] - s['accuracy_after_sft']):+.1f} points)",
         "  by kind: " + ", ".join(f"{k} {v['after_sft']:.3f}->{v['after_rl']:.3f}"
                                   for k, v in s["per_kind"].items()),
-        f"tool calls per question: {s['tool_calls_per_question_after_sft']:.2f} -> "
-        f"{s['tool_calls_per_question']:.2f}; answered without a tool: "
+        f"tool calls per answer: {s['tool_calls_per_sample_after_sft']:.2f} -> "
+        f"{s['tool_calls_per_sample']:.2f}; answered without a tool: "
         f"{s['no_tool_share_after_sft']} -> {s['no_tool_share_after_rl']}",
         f"RL: {rl.get('steps')} learner steps in {rl.get('rl_wall_s')} s, "
         f"{rl.get('model_tokens_per_s')} model tokens/s, staleness mean "
