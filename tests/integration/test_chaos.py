@@ -1,10 +1,13 @@
-"""The chaos soak in CI (issue 17): a short real run (vLLM actors, DeepSpeed learner, the
-Python sandbox pool, the retriever behind its proxy) under a fault every ~20 s, and the
-verdict asserted. ``python -m arpo_async.jobs.experiments chaos`` with a small suite and the
-untrained tiny model (no SFT: it seldom calls tools, so the tool faults that need calls,
-cache_full and slow_tool, are left to the soak); faults: learner and launcher kills,
-a stalled actor, garbage frames, retriever and sandbox kills. A vLLM actor's SIGKILL
-(half a minute to restart here) is covered by test_faults_processes.py."""
+"""The chaos soak in CI (issue 17): a short real run (DeepSpeed learner, the Python sandbox
+pool, the retriever behind its proxy, the launcher, checkpoints and resume) under a fault
+every 15 s, and the verdict asserted. ``python -m arpo_async.jobs.experiments chaos`` with a
+small suite; the actors run the simulated engine (``actors.engine=simulated``: real
+transport, admission, rollout and tools, tokens paced by ``sim.*``), which starts in
+seconds and calls the tools on every round, where the untrained tiny model on vLLM seldom
+did: the retriever and sandbox faults meet calls in flight. Faults: learner and launcher
+kills, a stalled actor, garbage frames, retriever and sandbox kills. A vLLM actor's
+SIGKILL and SIGSTOP (half a minute to restart here) are test_faults_processes.py's; the
+soak (``jobs.experiments chaos`` without these caps) runs vLLM actors for 30 minutes."""
 
 from __future__ import annotations
 
@@ -23,14 +26,14 @@ SMALL_RUN = ["rollout.mode=grpo", "rollout.group_size=4", "sampling.max_new_toke
              "sampling.max_response_tokens=96", "learner.batch_groups=2",
              "actors.max_inflight_trajectories=8", "pipeline.suite_entities=40",
              "pipeline.suite_sft=20", "pipeline.suite_rl=200", "pipeline.suite_heldout=10",
-             "learner.checkpoint_every=4"]
+             "learner.checkpoint_every=4", "actors.engine=simulated"]
 
 
 def test_a_short_chaos_run_passes_its_verdict(tiny_model_dir, tmp_path):
     run_dir, data = tmp_path / "run", tmp_path / "data"
-    cmd = [PY, "-m", "arpo_async.jobs.experiments", "chaos", "--duration-s", "60",
-           "--fault-every-s", "20", "--seed", "7", "--faults", FAULTS, "--sft-steps", "0",
-           "--startup-s", "40", "--grace-s", "120", f"run.dir={run_dir}",
+    cmd = [PY, "-m", "arpo_async.jobs.experiments", "chaos", "--duration-s", "45",
+           "--fault-every-s", "15", "--seed", "7", "--faults", FAULTS, "--sft-steps", "0",
+           "--startup-s", "20", "--grace-s", "120", f"run.dir={run_dir}",
            f"model.path={tiny_model_dir}", f"pipeline.data_dir={data}",
            f"task.data={data}/rl.jsonl", *SMALL_RUN]
     t0 = time.monotonic()
