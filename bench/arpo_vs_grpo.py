@@ -148,7 +148,7 @@ def row_from_folder(run_dir: Path, arm: str, seed: int) -> dict:
     ev = json.loads((run_dir / "eval" / "summary.json").read_text())
     timing_path = run_dir / "bench_timing.json"
     row = {"arm": arm, "seed": seed, "accuracy": ev["pass@1"],
-           "tool_calls_per_question": ev["tool_calls_per_sample"],
+           "tool_calls_per_sample": ev["tool_calls_per_sample"],
            "no_tool_share": ev.get("no_tool_share"), "tool_calls": rl.get("tool_calls"),
            "executed_per_leaf": rl.get("tools_executed_per_leaf_mean"),
            "fork_rate": rl.get("fork_rate"), "p_outside_band_share": rl.get("p_outside_band_share"),
@@ -162,8 +162,21 @@ def row_from_folder(run_dir: Path, arm: str, seed: int) -> dict:
     return row
 
 
-def finished(run_dir: Path) -> bool:
-    return (run_dir / "eval" / "summary.json").is_file()
+def finished(run_dir: Path, base, args) -> bool:
+    """Whether ``run_dir`` holds this bench's arm, done: evaluated, and run on the same data
+    and tool-call budget (a folder of another bench's settings is run again)."""
+    if not (run_dir / "eval" / "summary.json").is_file():
+        return False
+    from arpo_async.core.config import load_config
+
+    cfg = load_config(run_dir / "config.yaml", [])
+    same = (cfg.pipeline.data_dir == base.pipeline.data_dir
+            and cfg.run.tool_call_budget == args.tool_calls)
+    if not same:
+        print(f"    {run_dir.name}: run on {cfg.pipeline.data_dir} with "
+              f"{cfg.run.tool_call_budget} tool calls, not this bench's settings: run again",
+              flush=True)
+    return same
 
 
 def mean_se(values: list[float]) -> tuple[float, float]:
@@ -178,7 +191,7 @@ def mean_se(values: list[float]) -> tuple[float, float]:
 
 
 FIGURES = ("accuracy", "tool_calls", "rl_wall_s", "executed_per_leaf",
-           "tool_calls_per_question", "fork_rate", "p_outside_band_share", "steps")
+           "tool_calls_per_sample", "fork_rate", "p_outside_band_share", "steps")
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -212,6 +225,12 @@ def null_test(base, sft: Path, data_dir: Path, args) -> dict:
         section, name = key.split(".")
         setattr(getattr(cfg, section), name, value)
     cfg.model.path, cfg.run.dir = str(sft), str(Path(args.out) / "null_test")
+    done = Path(args.out) / "null_test" / "entropy.json"
+    if done.is_file():  # an interrupted bench: the same model and sizes are read back
+        res = json.loads(done.read_text())
+        if (res.get("model"), res.get("prompts"), res.get("samples_per_prompt")) == \
+                (str(sft), args.null_limit, args.null_k):
+            return {"finding": res["finding"], "rows": res["null_test"]}
     res = entropy_analysis(cfg, data_dir / "heldout.jsonl", data_dir / "corpus.jsonl",
                            Path(args.out) / "null_test", args.null_limit, args.null_k)
     return {"finding": res["finding"], "rows": res["null_test"]}
@@ -274,7 +293,7 @@ def run_seed(i: int, seed: int, arms: list[str], base, args, sft: Path, url: str
     alpha = None
     for arm in order:
         run_dir = out / f"{arm}-seed{seed}"
-        if finished(run_dir):
+        if finished(run_dir, base, args):
             row = row_from_folder(run_dir, arm, seed)
             print(f"[{len(rows) + 1}/{total}] seed {seed} {arm}: finished before, kept",
                   flush=True)

@@ -303,8 +303,10 @@ def null_test(leaves: list[dict], window: int, topk: int, vocab: int, alpha: flo
                 null += n
             row = {"real": _decisions(real, alpha, beta), "null": _decisions(null, alpha, beta)}
             var_null = row["null"].get("dh_var")
+            # a variance needs two decisions on each side (skip may leave fewer)
             row["signal_to_noise"] = (row["real"]["dh_var"] / var_null if var_null and
-                                      row["real"]["n"] else None)
+                                      row["real"]["n"] >= 2 and row["null"]["n"] >= 2
+                                      else None)
             out[est if rule == "as_is" else f"{est}+{rule}"] = row
     return out
 
