@@ -105,7 +105,10 @@ def test_rl_steps_through_the_launcher_agree_at_step_one(chain, tmp_path):
         f"task.data={suite / 'rl.jsonl'}", "tools.enabled=[python]", "tools.syntax=hermes",
         "rollout.mode=arpo", "rollout.group_size=4", "rollout.initial_samples=2",
         "rollout.tool_call_limit=2", "sampling.max_new_tokens=48",
-        "sampling.max_response_tokens=300", "learner.max_steps=2", "learner.batch_groups=1",
+        "sampling.max_response_tokens=300", "learner.max_steps=3", "learner.batch_groups=1",
+        # lockstep: step 3 trains only groups sampled on v2, so the actor loads (and
+        # probes) v1 and v2 before the run can end, whatever the timing
+        "learner.max_staleness=0",
         "learner.loss.proximal=recompute", "learner.lr=1e-3"]
     res = subprocess.run([PY, "-m", "arpo_async.launch", "--config", str(SPINE_CONFIG),
                           "--quiet", *overrides], cwd=REPO, env=python_env(),
@@ -113,7 +116,7 @@ def test_rl_steps_through_the_launcher_agree_at_step_one(chain, tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "ok"
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     assert sum(r["tool_calls"] for r in rows) >= 1  # hermes calls ran in the sandbox
     # step 1: every trained token's learner log-prob (before the update) against the
     # actor's behaviour log-prob: exp(prox - mu) within 1e-3 of 1
