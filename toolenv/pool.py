@@ -79,6 +79,26 @@ async def ready_fd(fd: int, writable: bool = False) -> None:
         remove(fd)
 
 
+async def read_some(fd: int) -> bytes:
+    """What the non-blocking ``fd`` has to read (b"" at its end), waiting in the loop."""
+    while True:
+        try:
+            return os.read(fd, _READ_CHUNK)
+        except BlockingIOError:
+            await ready_fd(fd)
+
+
+async def write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to the non-blocking ``fd``, waiting in the loop;
+    ``BrokenPipeError`` when the reader is gone."""
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view):]
+        except BlockingIOError:
+            await ready_fd(fd, writable=True)
+
+
 class WarmSandbox:
     """One started sandbox: ``ready`` once, then ``run`` once (or ``kill``)."""
 
@@ -92,11 +112,7 @@ class WarmSandbox:
         self._closed = False
 
     async def _read(self) -> bytes:
-        while True:
-            try:
-                return os.read(self._out, _READ_CHUNK)
-            except BlockingIOError:
-                await ready_fd(self._out)
+        return await read_some(self._out)
 
     async def ready(self, timeout_s: float) -> None:
         """Wait for READY; raise ``PoolError`` when the sandbox exits or stalls first."""
@@ -117,13 +133,8 @@ class WarmSandbox:
         self._early = buf.split(READY, 1)[1]
 
     async def _write_all(self, data: bytes) -> None:
-        view = memoryview(data)
         try:
-            while view:
-                try:
-                    view = view[os.write(self._in, view):]
-                except BlockingIOError:
-                    await ready_fd(self._in, writable=True)
+            await write_all(self._in, data)
         except (BrokenPipeError, ConnectionResetError):
             pass  # exited before reading its input: its output says why
         finally:

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from toolenv.pool import READY, PoolError, ready_fd
+from toolenv.pool import READY, PoolError, read_some, write_all
 
 END = b"\x00arpo-end-"
 _READ_CHUNK = 1 << 16
@@ -73,11 +73,7 @@ class SessionSandbox:
         return not self._closed and self.proc.poll() is None
 
     async def _read(self) -> bytes:
-        while True:
-            try:
-                return os.read(self._out, _READ_CHUNK)
-            except BlockingIOError:
-                await ready_fd(self._out)
+        return await read_some(self._out)
 
     async def ready(self, timeout_s: float) -> None:
         """Wait for READY; ``PoolError`` when the sandbox exits or stalls first."""
@@ -97,14 +93,10 @@ class SessionSandbox:
         del self._buf[:self._buf.index(READY) + len(READY)]
 
     async def _write_all(self, data: bytes) -> bool:
-        view = memoryview(data)
-        while view:
-            try:
-                view = view[os.write(self._in, view):]
-            except BlockingIOError:
-                await ready_fd(self._in, writable=True)
-            except (BrokenPipeError, ConnectionResetError):
-                return False
+        try:
+            await write_all(self._in, data)
+        except (BrokenPipeError, ConnectionResetError):
+            return False
         return True
 
     async def request(self, op: str, payload: bytes = b"", *, timeout_s: float,
