@@ -23,11 +23,13 @@ cannot see, signal or connect to another call, nor to a ready sandbox waiting in
 Limits are those of the cold path, per call: the snippet runs in the forked child, whose
 CPU time starts at zero; the address-space limit covers the preloaded modules as if the
 snippet had imported them; the process limit is raised by one for the waiting parent.
-The waiting parent runs as the snippet's uid, so the snippet may signal or ptrace it:
-that can only end its own call early or change its own exit status. New against the cold
-path is only that a sandbox exists before its code is known; nothing in it depends on the
-code, and it runs at the same low priority. Without bubblewrap (mode ``none``) a warm
-sandbox is, like a cold one, only a process with rlimits in its own session and folder.
+The waiting parent runs as the snippet's uid but is the sandbox's init (bwrap
+--as-pid-1, every signal it can ignore ignored) and no process of a sandbox may ptrace
+(toolenv/seccomp.py), so the snippet can neither kill it nor change the status it
+reports. New against the cold path is only that a sandbox exists before its code is
+known; nothing in it depends on the code, and it runs at the same low priority. Without
+bubblewrap (mode ``none``) a warm sandbox is, like a cold one, only a process with rlimits
+in its own session and folder.
 What a waiting sandbox costs: one interpreter's memory (with its preloads) and one uid.
 
 Event loops. Sandboxes are plain ``subprocess.Popen`` processes whose pipes are driven
@@ -47,7 +49,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from toolenv.sandbox import SandboxRun
+from toolenv.sandbox import Lease, SandboxRun
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +104,8 @@ async def write_all(fd: int, data: bytes) -> None:
 class WarmSandbox:
     """One started sandbox: ``ready`` once, then ``run`` once (or ``kill``)."""
 
-    def __init__(self, proc: subprocess.Popen, release: Callable[[], None]):
-        self.proc, self._release = proc, release
+    def __init__(self, proc: subprocess.Popen, lease: Lease):
+        self.proc, self._lease = proc, lease
         self._pidfd = os.pidfd_open(proc.pid)
         self._out, self._in = proc.stdout.fileno(), proc.stdin.fileno()
         os.set_blocking(self._out, False)
@@ -192,6 +194,7 @@ class WarmSandbox:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+        self._lease.kill()  # the sandbox's init, which bwrap's death does not reach
 
     def kill(self) -> None:
         """Kill and reap at once (no event loop needed); bwrap dies in milliseconds."""
@@ -212,8 +215,7 @@ class WarmSandbox:
         for stream in (self.proc.stdin, self.proc.stdout):
             stream.close()
         os.close(self._pidfd)
-        if self.proc.returncode is not None:  # else its uid may still be in use: keep it
-            self._release()
+        self._lease.release()  # kills what is left of its uid first (toolenv/sandbox.py)
 
 
 class WarmPool:

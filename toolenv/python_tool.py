@@ -89,9 +89,9 @@ _RUNNER = _RUNNER_DEF + "_arpo_run()\n"
 # joining threads and running exit handlers (the interpreter's teardown is the slow part of
 # an exit, at low priority on a busy machine; skipping it changes one thing: objects still
 # alive at exit, e.g. in reference cycles, are not finalized, so a __del__ that prints
-# prints nothing). The
-# parent only waits and exits as the child did (by the same signal, or with its exit
-# code), so the sandbox ends when the child does.
+# prints nothing). The parent, the sandbox's init, only waits and exits as the child did
+# (with its exit code, or 128 + the signal that killed it), so the sandbox ends when the
+# child does.
 _WARM_RUNNER = _RUNNER_DEF + r"""
 import atexit, os, signal
 for _name in sys.argv[1:]:
@@ -124,17 +124,21 @@ if _pid == 0:
         _arpo_exit(_exc.code)
     _arpo_exit(0)
 else:
+    # The sandbox's init (bwrap --as-pid-1): the snippet cannot kill its waiting parent
+    # (init gets no signal it has no handler for; Python's SIGINT handler and the others
+    # are set to ignore), so the call always ends with the snippet's own status.
+    for _sig in signal.valid_signals():
+        if _sig not in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD):
+            try:
+                signal.signal(_sig, signal.SIG_IGN)
+            except (OSError, ValueError):
+                pass
     _null = os.open(os.devnull, os.O_RDWR)
     for _fd in (0, 1, 2):  # only the child holds the pipes: EOF comes when it is done
         os.dup2(_null, _fd)
     _status = os.waitpid(_pid, 0)[1]
-    if os.WIFSIGNALED(_status):
-        _sig = os.WTERMSIG(_status)
-        try:
-            signal.signal(_sig, signal.SIG_DFL)
-        except (OSError, ValueError):
-            pass  # SIGKILL and SIGSTOP keep their default anyway
-        os.kill(os.getpid(), _sig)
+    if os.WIFSIGNALED(_status):  # as a shell says it: init cannot send itself the signal
+        os._exit(128 + os.WTERMSIG(_status))
     os._exit(os.waitstatus_to_exitcode(_status) & 255)
 """.replace("__READY__", repr(READY))
 
@@ -284,18 +288,20 @@ class PythonTool:
         # One more process for the warm runner's waiting parent, so the snippet keeps the
         # same process allowance as on the cold path.
         limits = replace(self.sandbox.limits, max_procs=self.sandbox.limits.max_procs + 1)
-        proc, release = replace(self.sandbox, limits=limits).spawn(
-            [self.python, "-s", "-u", "-c", _WARM_RUNNER, *self.preload])
-        return WarmSandbox(proc, release)
+        return WarmSandbox(*replace(self.sandbox, limits=limits, as_pid_1=True).spawn(
+            [self.python, "-s", "-u", "-c", _WARM_RUNNER, *self.preload]))
 
     def _spawn_session(self) -> SessionSandbox:
         limits = replace(self.sandbox.limits,
                          max_procs=self.sandbox.limits.max_procs + _SESSION_PROCS)
-        settings = json.dumps({"ready": READY.decode("latin-1"),
+        # folders of /tmp that hold binds of the host's (an interpreter in a clone under
+        # /tmp): not the session's files, never carried by a checkpoint
+        skip = sorted({Path(p).relative_to("/tmp").parts[0] for p in self.sandbox.expose
+                       if p.startswith("/tmp/")})
+        settings = json.dumps({"ready": READY.decode("latin-1"), "skip": skip,
                                "preload": [*self.preload, "cloudpickle", "tarfile"]})
-        proc, release = replace(self.sandbox, limits=limits, as_pid_1=True).spawn(
-            [self.python, "-s", "-u", "-c", _SESSION_CHILD, settings])
-        return SessionSandbox(proc, release)
+        return SessionSandbox(*replace(self.sandbox, limits=limits, as_pid_1=True).spawn(
+            [self.python, "-s", "-u", "-c", _SESSION_CHILD, settings]))
 
     def open_session(self) -> PySession:
         """A new trajectory's interpreter (no sandbox until its first call)."""
@@ -374,6 +380,8 @@ class PythonTool:
                         f"limit; the session was stopped.{rebuilt}", "timeout"),
             "flood": (f"Output flood: the session was stopped.{rebuilt}", "killed"),
             "dead": (f"The session's interpreter died during the call.{rebuilt}", "session"),
+            "protocol": (f"The session's reply broke its protocol ({status.get('message')}): "
+                         f"the session was stopped.{rebuilt}", "session"),
         }.get(kind, (f"Session error: {status.get('message', kind)}", "session"))
         full = f"{text}\n{note}" if text and note else text or note
         return ToolResult(full, ok=False, latency_s=reply.wall_s, error=error)

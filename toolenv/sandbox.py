@@ -23,7 +23,13 @@ Isolation modes, picked by the caller after probing (see ``python_tool``):
 Limits are set inside the sandbox by ``prlimit`` (CPU seconds, address space, processes,
 file size, no core dumps). The wall-clock timeout always fires: bwrap starts in its own
 session and the whole group gets SIGKILL; ``--die-with-parent`` and the pid namespace take
-everything inside down with it.
+everything inside down with it. A seccomp filter (``toolenv/seccomp.py``) denies every
+process inside ``ptrace`` and reading or writing another process's memory, so no process of
+a sandbox can hold another (a session's keeper) alive or change it.
+
+In setuid mode the pool's uids belong to sandboxes only: before a uid is handed out, and
+when a sandbox did not end as it should, every process still running as that uid is
+killed (``kill_uid``), so nothing of one sandbox can survive into the next that gets its uid.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from toolenv import seccomp
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +98,9 @@ class UidPool:
         self.lock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     def acquire(self) -> tuple[int, int]:
-        """(uid, lock fd); pass the fd to ``release`` once every process of the uid is gone."""
+        """(uid, lock fd); pass the fd to ``release`` once every process of the uid is gone.
+        A process left running as the uid (a sandbox that escaped its end) is killed
+        first; a uid whose processes cannot be killed is skipped, and stays locked."""
         for index in range(self.size):
             fd = os.open(self.lock_dir / f"{index}.lock", os.O_CREAT | os.O_RDWR, 0o600)
             try:
@@ -98,12 +108,61 @@ class UidPool:
             except BlockingIOError:
                 os.close(fd)
                 continue
-            return self.base + index, fd
+            if kill_uid(self.base + index):
+                return self.base + index, fd
+            log.warning("sandbox uid %d: processes survive SIGKILL; not used again",
+                        self.base + index)
         raise RuntimeError(f"sandbox uid pool exhausted: {self.size} uids in use ({self.lock_dir})")
 
     @staticmethod
     def release(fd: int) -> None:
         os.close(fd)
+
+
+def uid_processes(uid: int) -> list[int]:
+    """Pids of the processes whose real or effective uid is ``uid`` (zombies included)."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/status", "rb") as status:
+                for line in status:
+                    if line.startswith(b"Uid:"):
+                        real, effective = line.split()[1:3]
+                        if uid in (int(real), int(effective)):
+                            found.append(int(entry.name))
+                        break
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue  # gone between the listing and the read
+    return found
+
+
+def kill_uid(uid: int, timeout_s: float = _REAP_TIMEOUT_S) -> bool:
+    """SIGKILL every process running as ``uid`` until none is left (True) or ``timeout_s``
+    passed (False). Zombies count as gone: they hold no resource but a pid, and their
+    parent (outside the sandbox) reaps them. Only for uids that belong to sandboxes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = [pid for pid in uid_processes(uid) if not _zombie(pid)]
+        if not alive:
+            return True
+        for pid in alive:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return True
 
 
 _SYSTEM_DIRS = {"/", "/usr", "/usr/lib", "/usr/local", "/usr/local/lib", "/lib", "/lib64",
@@ -150,8 +209,10 @@ class Sandbox:
 
     # ------------------------------------------------------------------ command lines
 
-    def argv(self, command: Sequence[str], uid: int | None) -> list[str]:
-        """The full command line for one run (``uid``: the pool uid in setuid mode)."""
+    def argv(self, command: Sequence[str], uid: int | None,
+             filter_fd: int | None = None) -> list[str]:
+        """The full command line for one run (``uid``: the pool uid in setuid mode;
+        ``filter_fd``: the seccomp program's pipe, passed to bwrap)."""
         if self.mode == "none":
             return list(command)  # limits and priority come from preexec_fn
         inner = [*self._prlimit(), "nice", "-n", str(_NICE)]
@@ -166,6 +227,8 @@ class Sandbox:
                     "--uid", str(NOBODY), "--gid", str(NOBODY)]
         if self.as_pid_1:
             head.append("--as-pid-1")
+        if filter_fd is not None:
+            head += ["--seccomp", str(filter_fd)]
         inner += list(command)
         return ["bwrap", "--die-with-parent", "--new-session", *head, *self._mounts(),
                 "--clearenv", *self._setenv(), "--", *inner]
@@ -230,64 +293,128 @@ class Sandbox:
 
     # ------------------------------------------------------------------ running
 
-    def _acquire(self) -> tuple[int | None, int | None, str | None]:
-        """(uid, its lock fd) in setuid mode, a scratch folder without a sandbox."""
-        uid, lock_fd = self.uid_pool.acquire() if self.mode == "setuid" else (None, None)
-        workdir = tempfile.mkdtemp(prefix="arpo_py_") if self.mode == "none" else None
-        return uid, lock_fd, workdir
+    def _acquire(self) -> Lease:
+        """A pool uid (setuid mode) or a scratch folder (no sandbox), and the seccomp
+        filter's pipe (bwrap modes) for one run."""
+        lease = Lease(*(self.uid_pool.acquire() if self.mode == "setuid" else (None, None)))
+        if self.mode == "none":
+            lease.workdir = tempfile.mkdtemp(prefix="arpo_py_")
+        else:
+            lease.filter_fd = _filter_fd()
+        return lease
 
-    @staticmethod
-    def _release(lock_fd: int | None, workdir: str | None) -> None:
-        if lock_fd is not None:
-            UidPool.release(lock_fd)  # the pid namespace is gone: no process keeps uid
-        if workdir is not None:
-            shutil.rmtree(workdir, ignore_errors=True)
+    def _start(self, command: Sequence[str], lease: Lease) -> dict:
+        """argv and the keyword arguments every way of starting a run shares."""
+        fds = () if lease.filter_fd is None else (lease.filter_fd,)
+        return {"args": self.argv(command, lease.uid, lease.filter_fd), "pass_fds": fds,
+                "start_new_session": True, "env": self._host_env(), "cwd": lease.workdir,
+                **self._spawn_kwargs()}
 
     @contextmanager
-    def _lease(self) -> Iterator[tuple[int | None, str | None]]:
-        """A pool uid (setuid mode) or a scratch folder (no sandbox) for one run."""
-        uid, lock_fd, workdir = self._acquire()
+    def _lease(self) -> Iterator[Lease]:
+        lease = self._acquire()
         try:
-            yield uid, workdir
+            yield lease
         finally:
-            self._release(lock_fd, workdir)
+            lease.release()
 
-    def spawn(self, command: Sequence[str]) -> tuple[subprocess.Popen, Callable[[], None]]:
+    def spawn(self, command: Sequence[str]) -> tuple[subprocess.Popen, Lease]:
         """Start ``command`` now and hand its pipes to the caller (a warm sandbox that
-        ``toolenv.pool`` feeds later): (process, release). The process has stdin and
-        stdout (stderr joined) pipes and its own session; call ``release`` once it has
-        been reaped, to give back its uid or scratch folder."""
-        uid, lock_fd, workdir = self._acquire()
+        ``toolenv.pool`` feeds later): (process, lease). The process has stdin and
+        stdout (stderr joined) pipes and its own session; ``lease.kill()`` kills what
+        runs as its uid, and ``lease.release()`` once it has been reaped gives back its
+        uid or scratch folder (False: a process of the uid survived SIGKILL, and the uid
+        stays locked)."""
+        lease = self._acquire()
         try:
-            proc = subprocess.Popen(self.argv(command, uid), stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    start_new_session=True, env=self._host_env(), cwd=workdir,
-                                    **self._spawn_kwargs())
+            kwargs = self._start(command, lease)
+            proc = subprocess.Popen(kwargs.pop("args"), stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs)
         except BaseException:
-            self._release(lock_fd, workdir)
+            lease.release()
             raise
-        return proc, lambda: self._release(lock_fd, workdir)
+        lease.started()
+        return proc, lease
 
     async def run(self, command: Sequence[str], stdin: bytes, timeout_s: float,
                   max_bytes: int) -> SandboxRun:
         """Run once; never raises for what the command does (only for failing to start)."""
-        with self._lease() as (uid, workdir):
-            return await run_capped(self.argv(command, uid), stdin, timeout_s, max_bytes,
-                                    env=self._host_env(), cwd=workdir, **self._spawn_kwargs())
+        with self._lease() as lease:
+            kwargs = self._start(command, lease)
+            return await run_capped(kwargs.pop("args"), stdin, timeout_s, max_bytes,
+                                    started=lease.started, **kwargs)
 
     def run_sync(self, command: Sequence[str], stdin: bytes = b"",
                  timeout_s: float = 30.0) -> SandboxRun:
         """A blocking run for start-up probes; works with or without a running event loop."""
         start = time.monotonic()
-        with self._lease() as (uid, workdir):
+        with self._lease() as lease:
+            kwargs = self._start(command, lease)
             try:
-                done = subprocess.run(self.argv(command, uid), check=False, input=stdin,
+                done = subprocess.run(kwargs.pop("args"), check=False, input=stdin,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      timeout=timeout_s, start_new_session=True,
-                                      env=self._host_env(), cwd=workdir, **self._spawn_kwargs())
+                                      timeout=timeout_s, **kwargs)
             except subprocess.TimeoutExpired as exc:  # bwrap was killed: so is its namespace
                 return SandboxRun(exc.output or b"", None, True, False, time.monotonic() - start)
         return SandboxRun(done.stdout, done.returncode, False, False, time.monotonic() - start)
+
+
+@dataclass
+class Lease:
+    """What one run holds: its pool uid and the uid's lock (setuid mode), its scratch folder
+    (mode none), the read end of the seccomp filter's pipe until bwrap has started."""
+
+    uid: int | None = None
+    lock_fd: int | None = None
+    workdir: str | None = None
+    filter_fd: int | None = None
+
+    def kill(self) -> None:
+        """SIGKILL what runs as the run's uid now (setuid mode): its init among them,
+        whose end takes the pid namespace along. Killing bwrap does not reach it: the
+        uid change by setpriv clears the parent-death signal that ``--die-with-parent``
+        sets, so without this a sandbox whose init ignores its pipes outlives a kill."""
+        if self.lock_fd is not None:
+            kill_uid(self.uid)
+
+    def started(self) -> None:
+        """bwrap has its own copy of the filter's pipe: ours can go."""
+        if self.filter_fd is not None:
+            os.close(self.filter_fd)
+            self.filter_fd = None
+
+    def release(self) -> bool:
+        """Give everything back; the uid only once no process of it is left (else it
+        stays locked, never handed out again by this host, and False is returned)."""
+        self.started()
+        freed = True
+        if self.lock_fd is not None:
+            freed = kill_uid(self.uid)  # a sandbox that ended as it should has none left
+            if freed:
+                UidPool.release(self.lock_fd)
+            else:
+                log.warning("sandbox uid %d: processes survive SIGKILL; uid kept locked",
+                            self.uid)
+            self.lock_fd = None
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.workdir = None
+        return freed
+
+
+_FILTER = seccomp.program()
+
+
+def _filter_fd() -> int | None:
+    """A pipe's read end holding the seccomp program, for bwrap ``--seccomp``."""
+    if _FILTER is None:
+        return None
+    r, w = os.pipe()
+    try:
+        os.write(w, _FILTER)  # 100 bytes: far below a pipe's capacity, never blocks
+    finally:
+        os.close(w)
+    return r
 
 
 def _kill_group(proc: asyncio.subprocess.Process) -> None:
@@ -303,7 +430,7 @@ def _kill_group(proc: asyncio.subprocess.Process) -> None:
 
 
 async def run_capped(argv: Sequence[str], stdin: bytes, timeout_s: float, max_bytes: int,
-                     **spawn) -> SandboxRun:
+                     started: Callable[[], None] | None = None, **spawn) -> SandboxRun:
     """Start ``argv`` in a new session, feed ``stdin``, keep at most ``max_bytes`` of output.
 
     Killed with its whole process group on timeout, on passing the cap, and when the
@@ -312,7 +439,9 @@ async def run_capped(argv: Sequence[str], stdin: bytes, timeout_s: float, max_by
     start = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
         *argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        start_new_session=True, **spawn)
+        **{"start_new_session": True, **spawn})
+    if started is not None:
+        started()
     chunks: list[bytes] = []
     state = {"size": 0, "truncated": False, "done": False}
 

@@ -25,8 +25,10 @@ A call's changes are kept when it ran to its end or raised (as in a notebook); a
 was killed (its CPU limit, a signal, ``os._exit``) leaves the state as it was before it,
 since each call runs in a fork of the interpreter (session_child.py). Counted in
 ``stats``: forks (states restored from a checkpoint), replays (states rebuilt by
-re-execution) and fork_fallbacks (forks that had to replay), plus sessions opened, closed
-(finished / dropped), evicted, stopped idle and lost.
+re-execution) and fork_fallbacks (forks that had to replay; by reason in
+fork_fallback_<reason>: unpicklable, too_large, files_changed, no_process, lost,
+restore_failed), plus sessions opened, closed (finished / dropped), evicted, stopped idle
+and lost. Every count is reported from the start, at zero.
 """
 
 from __future__ import annotations
@@ -41,12 +43,20 @@ from typing import Any
 
 from toolenv.cache import canonical_args
 from toolenv.pool import PoolError, WarmPool
-from toolenv.session_sandbox import Reply, SessionSandbox
+from toolenv.session_sandbox import LOST, Reply, SessionSandbox
 
 log = logging.getLogger(__name__)
 
 _WINDOW = 10_000  # latencies kept for the percentiles
-_LOST = ("timeout", "flood", "dead")  # replies after which the sandbox is gone
+_LOST = LOST  # replies after which the sandbox is gone
+# Every count ``stats`` reports, there from the start at zero (a run whose forks all
+# replay says so: session_forks 0 next to session_fork_fallbacks).
+COUNTS = ("opened", "closed_finished", "closed_dropped", "forks", "replays", "catchups",
+          "replayed_calls", "replay_failures", "fork_fallbacks", "lost", "evictions",
+          "idle_stops", "cold_starts")
+# Why a fork replayed instead of restoring a checkpoint: session_fork_fallback_<reason>.
+FALLBACK_REASONS = ("unpicklable", "too_large", "files_changed", "no_process", "lost",
+                    "restore_failed")
 
 
 def next_digest(digest: str, code: str) -> str:
@@ -106,7 +116,8 @@ class SessionManager:
         self._live: dict[int, PySession] = {}  # sessions holding a sandbox, by id
         self._freed: asyncio.Event | None = None
         self._stopping: set[asyncio.Future] = set()  # kills in progress
-        self.counts: Counter[str] = Counter()
+        self.counts: Counter[str] = Counter(
+            {k: 0 for k in (*COUNTS, *(f"fork_fallback_{r}" for r in FALLBACK_REASONS))})
         self._lat: dict[str, deque[float]] = {k: deque(maxlen=_WINDOW)
                                               for k in ("fork", "restore", "replay")}
 
@@ -127,18 +138,26 @@ class SessionManager:
             sandbox = parent.sandbox
             if sandbox is not None and sandbox.alive and parent.live_len > 0:
                 reply = await sandbox.request("dump", timeout_s=self.wall_timeout_s,
-                                              max_bytes=self.cap, max=self.checkpoint_bytes)
+                                              max_bytes=self.cap, max=self.checkpoint_bytes,
+                                              max_payload=self.checkpoint_bytes)
                 if reply.kind == "ok":
                     child.checkpoint = (reply.payload, parent.live_len)
                 else:  # the child replays instead
-                    self.counts["fork_fallbacks"] += 1
+                    reason = "lost" if reply.kind in _LOST else reply.status.get("reason")
+                    self._fallback(reason if reason in FALLBACK_REASONS else "unpicklable")
                     child.checkpoint = None
                     log.info("python session: no checkpoint (%s: %s); the fork replays",
                              reply.kind, reply.status.get("message", "")[:200])
                     if reply.kind in _LOST:
                         self._drop(parent, "lost")
+                    elif reason == "files_changed":  # the parent's files are not its own
+                        self._drop(parent, None)  # history's: rebuilt from it
                 self._lat["fork"].append(time.perf_counter() - start)  # checkpoints only
         return child
+
+    def _fallback(self, reason: str) -> None:
+        self.counts["fork_fallbacks"] += 1
+        self.counts[f"fork_fallback_{reason}"] += 1
 
     def close(self, session: PySession, reason: str) -> None:
         """The trajectory ended (``finished``) or was cancelled or failed (``dropped``)."""
@@ -284,7 +303,7 @@ class SessionManager:
             self.counts["forks"] += 1
             self._lat["restore"].append(time.perf_counter() - start)
             return None
-        self.counts["fork_fallbacks"] += 1
+        self._fallback("restore_failed")
         log.info("python session: restoring a checkpoint failed (%s: %s); replaying",
                  reply.kind, reply.status.get("message", "")[:200])
         if reply.kind in _LOST:  # the sandbox is gone: start over with a new one

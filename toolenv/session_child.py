@@ -30,7 +30,22 @@ keeps the state (``state["scope"]``, the namespace the code runs in) and reads r
 
 What a checkpoint does not carry: other modules' state (a module attribute set by a call),
 threads, open files and sockets (an object holding one does not pickle: the fork replays),
-processes started in the background, and /dev/shm.
+processes started in the background, /dev/shm, and the folders of /tmp that the sandbox
+binds read-only from the host (an interpreter under /tmp: ``skip`` in the settings).
+Taking it must not change the session: a ``__reduce__`` that writes to the session's files
+makes the dump fail (``files_changed``) and the host rebuilds the parent from its history.
+
+Replays reproduce the state the model saw: ``random`` is seeded with a constant before the
+first call and ``numpy.random`` when it is first imported, so a history run again gives the
+same values (as ``PYTHONHASHSEED`` does for ``hash``). Time, ``os.urandom`` and ``secrets``
+are not reproduced.
+
+Trust. Only the keeper never runs the model's code; the holder is a fork of the last call
+that kept its changes, so a call can change how its own session's later replies are
+written. Each reply starts with ``BEGIN + nonce`` and ends with ``END + nonce``, and the host
+(toolenv/session_sandbox.py) reads both with bounds: a forged or broken reply costs that
+session, never the host. No process here can ptrace another (toolenv/seccomp.py), and the
+keeper is not dumpable and ignores every signal it can.
 """
 
 import ast
@@ -43,6 +58,7 @@ import os
 import pickle
 import select
 import signal
+import stat
 import struct
 import sys
 import tarfile
@@ -51,13 +67,19 @@ import types
 
 _SETTINGS = json.loads(sys.argv[1])
 _READY = _SETTINGS["ready"].encode("latin-1")
+_BEGIN = b"\x00arpo-begin-"
 _END = b"\x00arpo-end-"
+_SEED = 0  # every session's random streams start here: a replay draws what the call drew
+_PR_SET_DUMPABLE = 4
 _PR_SET_CHILD_SUBREAPER = 36
 _CELL = "<cell {}>"
 _SKIP = {"__builtins__"}
 # The session's scratch folder, its cwd at start: /tmp in a sandbox, a temporary folder
 # of its own without one (mode none), never the host's /tmp.
 _SCRATCH = os.getcwd()
+# Top-level folders of /tmp that the sandbox binds from the host (read-only): not the
+# session's files, never in a checkpoint.
+_SKIP_TMP = set(_SETTINGS.get("skip", []))
 _HANDOVER_WAIT_S = 1.0  # longest wait for the old holder to exit at a hand-over
 
 
@@ -216,7 +238,13 @@ def _in_fork(state, nonce, work):
     hand_over the fork becomes the holder (through a fresh fork of its own, whose CPU clock
     starts at zero) and this process exits; else this one stays, as it was."""
     r, w = os.pipe()
-    pid = _fork()
+    try:
+        pid = _fork()
+    except OSError as exc:
+        os.close(r)
+        os.close(w)
+        _reply(nonce, _no_process(exc))
+        return False
     if pid == 0:
         os.close(r)
         me, old_holder = os.getpid(), os.pidfd_open(os.getppid())
@@ -254,20 +282,91 @@ def _in_fork(state, nonce, work):
     return False
 
 
+def _no_process(exc):
+    return {"kind": "error", "reason": "no_process",
+            "message": f"the call could not start: no process is left in the session's "
+                       f"process limit ({exc.strerror}); its background processes hold them"}
+
+
+class _SeedNumpy:
+    """A finder that seeds numpy's global generator as ``numpy.random`` is first imported
+    (numpy seeds it from the OS at import), then steps aside."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "numpy.random":
+            return None
+        sys.meta_path.remove(self)
+        for finder in sys.meta_path:
+            spec = getattr(finder, "find_spec", lambda *a: None)(name, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader.exec_module = _seeding(spec.loader.exec_module)
+                return spec
+        return None
+
+
+def _seeding(run):
+    def exec_module(module):
+        run(module)
+        module.seed(_SEED)
+
+    return exec_module
+
+
+def _seed():
+    import random
+
+    random.seed(_SEED)
+    sys.meta_path.insert(0, _SeedNumpy())
+
+
 def _main_scope():
     return {"__name__": "__main__", "__builtins__": builtins}
 
 
+def _own_files():
+    """(path, relative name, lstat) of the session's own files in its scratch folder: not
+    the host's read-only binds (``skip``), nor anything on another file system."""
+    device = os.stat(_SCRATCH).st_dev
+    found = []
+    for root, dirs, files in os.walk(_SCRATCH):
+        if root == _SCRATCH:
+            dirs[:] = [d for d in dirs if d not in _SKIP_TMP]
+            files = [f for f in files if f not in _SKIP_TMP]
+        descend = []
+        for name in sorted(dirs) + sorted(files):
+            path = os.path.join(root, name)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue  # removed while we walk
+            if st.st_dev != device:
+                continue
+            found.append((path, os.path.relpath(path, _SCRATCH), st))
+            if stat.S_ISDIR(st.st_mode):
+                descend.append(name)
+        dirs[:] = descend
+    return found
+
+
+def _fingerprint():
+    return [(rel, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ino)
+            for _, rel, st in _own_files()]
+
+
 def _tmp_tar():
-    """The scratch folder's files as an uncompressed tar (b"" when it is empty)."""
-    names = sorted(os.listdir(_SCRATCH))
-    if not names:
+    """The session's files as an uncompressed tar (b"" when there are none)."""
+    files = _own_files()
+    if not files:
         return b""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
-        for name in names:
-            tar.add(os.path.join(_SCRATCH, name), arcname=name,
-                    filter=lambda t: t if (t.isreg() or t.isdir() or t.issym()) else None)
+        for path, rel, _ in files:
+            info = tar.gettarinfo(path, arcname=rel)
+            if info.isreg():
+                with open(path, "rb") as f:
+                    tar.addfile(info, f)
+            elif info.isdir() or info.issym():
+                tar.addfile(info)
     return buf.getvalue()
 
 
@@ -290,10 +389,20 @@ def _checkpoint(state):
 
 
 def _dump(state, nonce, limit):
+    """Write a checkpoint in a forked process of its own group (killed with everything it
+    started once it is done); the session's files are compared before and after."""
+    before = _fingerprint()
     r, w = os.pipe()
-    pid = _fork()
+    try:
+        pid = _fork()
+    except OSError as exc:
+        os.close(r)
+        os.close(w)
+        _reply(nonce, _no_process(exc))
+        return
     if pid == 0:
         os.close(r)
+        os.setpgid(0, 0)
         try:
             data = _checkpoint(state)
             code = 0 if len(data) <= limit else 4
@@ -312,10 +421,20 @@ def _dump(state, nonce, limit):
             break
     os.close(r)
     wstatus = os.waitpid(pid, 0)[1]
-    if os.WIFEXITED(wstatus) and os.WEXITSTATUS(wstatus) == 0:
+    try:
+        os.killpg(pid, signal.SIGKILL)  # what the pickling started in the background
+    except OSError:
+        pass
+    code = os.WEXITSTATUS(wstatus) if os.WIFEXITED(wstatus) else None
+    if _fingerprint() != before:
+        _reply(nonce, {"kind": "error", "reason": "files_changed", "message":
+                       "taking the checkpoint changed the session's files (a __reduce__ "
+                       "with side effects)"})
+    elif code == 0:
         _reply(nonce, {"kind": "ok"}, bytes(data))
-    elif os.WIFEXITED(wstatus) and os.WEXITSTATUS(wstatus) in (3, 4):
-        _reply(nonce, {"kind": "error", "message": data.decode("utf-8", "replace")[-500:]})
+    elif code in (3, 4):
+        _reply(nonce, {"kind": "error", "reason": "unpicklable" if code == 3 else "too_large",
+                       "message": data.decode("utf-8", "replace")[-500:]})
     else:
         _reply(nonce, _dead_status(wstatus))
 
@@ -387,6 +506,7 @@ def _serve(state):
         head = json.loads(_read_exact(size))
         payload = _read_exact(head["n"])
         nonce, op = head["end"], head["op"]
+        _write_all(1, _BEGIN + nonce.encode() + b"\x00")
         if op == "exec":
             code = payload.decode("utf-8", "replace")
             _in_fork(state, nonce, _exec_work(code, head["cap"], head.get("quiet", False)))
@@ -402,6 +522,17 @@ def _keep(host):
     """The keeper's loop: reap every child; end the sandbox (as init, taking everything in
     it along) when the host's end of the request pipe closes (the host stopped the session,
     or died), or when no process is left."""
+    # Not dumpable: no process of the sandbox (all of one uid) may read or write its
+    # memory through /proc or attach to it (the seccomp filter also denies ptrace).
+    ctypes.CDLL(None).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
+    # As init it ignores signals it has no handler for; Python's own SIGINT handler and
+    # any other default a call could use are set to ignore explicitly.
+    for sig in signal.valid_signals():
+        if sig not in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD):
+            try:
+                signal.signal(sig, signal.SIG_IGN)
+            except (OSError, ValueError):
+                pass
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
@@ -432,6 +563,7 @@ def main():
     pid = os.fork()
     if pid == 0:
         os.close(host)
+        _seed()
         os.write(1, _READY)
         state = {"scope": _main_scope(), "cells": 1, "sources": {}}
         _serve(state)
