@@ -39,6 +39,9 @@ from toolenv.tags import (
     Markup,
     ToolCall,
     arpo_markup,
+    control_texts,
+    defuse,
+    defuse_json,
     find_tool_call,
     format_result,
     stop_tags,
@@ -98,6 +101,7 @@ class ArpoSyntax(_Checks):
         self.specs = {s.name: s for s in specs}
         self.tokenizer = tokenizer
         self.template_kwargs = dict(template_kwargs or {})
+        self.literals = control_texts(tokenizer)  # what untrusted text must not contain
         # python and search keep their tags when not enabled: a call to one is answered
         # "unknown tool" by the runner (as before custom tools), never read as text.
         self.markup = arpo_markup(tuple(dict.fromkeys([*DEFAULT_TOOLS, *self.specs])))
@@ -107,19 +111,21 @@ class ArpoSyntax(_Checks):
         return find_tool_call(round_text, self.markup.tools)
 
     def result_text(self, text: str) -> str:
-        return format_result(text)
+        """``<result>`` block of the output, its control tokens defused (tags.defuse)."""
+        return format_result(defuse(text, self.literals))
 
     def result_ids(self, text: str) -> list[int]:
-        return self.tokenizer.encode(format_result(text), add_special_tokens=False)
+        return self.tokenizer.encode(self.result_text(text), add_special_tokens=False)
 
     def call_text(self, name: str, args: str) -> str:
         return f"<{name}>{args}</{name}>"
 
     def prompt(self, system: str | None) -> tuple[str | None, list[dict] | None]:
         """The system prompt, with a line for each tool the built-in prompts do not
-        describe (python and search are); no ``tools=`` for the template."""
-        extra = [f"<{s.name}>...</{s.name}>: {s.description}" for s in self.specs.values()
-                 if s.name not in DEFAULT_TOOLS]
+        describe (python and search are; an MCP server's description is defused, as a
+        result is); no ``tools=`` for the template."""
+        extra = [f"<{s.name}>...</{s.name}>: {defuse(s.description, self.literals)}"
+                 for s in self.specs.values() if s.name not in DEFAULT_TOOLS]
         if not extra:
             return system, None
         lines = "Tools: " + " ".join(extra)
@@ -137,7 +143,7 @@ class HermesSyntax(_Checks):
         self.tokenizer = tokenizer
         self.template_kwargs = dict(template_kwargs or {})
         self.stop_strings = [CALL_CLOSE, "</answer>"]
-        self._defuse = self._dangerous()
+        self.literals = self._dangerous()
         pre, post = self._result_frame()
         self.markup = Markup(calls=(("tool_call", CALL_OPEN, CALL_CLOSE),), result=(pre, post),
                              tools=tuple(self.specs), json_calls=True,
@@ -181,12 +187,14 @@ class HermesSyntax(_Checks):
                              "<|im_end|>), so its ids alone differ from the template's")
         return pre, post
 
-    def _dangerous(self) -> list[str]:
-        """Texts a tool's output must not contain: special tokens, closing tags of the
-        template's tool turn (they would end the result early)."""
-        found = set(getattr(self.tokenizer, "all_special_tokens", []))
+    def _dangerous(self) -> tuple[str, ...]:
+        """Texts untrusted text must not contain (tags.defuse): the tokenizer's special and
+        added tokens, closing tags of the template's tool turn (they would end the result
+        early), and ``</result>``: SFT traces keep outputs in ARPO's blocks, where it is
+        already defused, so the rollout defuses it too and both insert the same ids."""
+        found = set(control_texts(self.tokenizer)) | {"</result>"}
         found |= set(_CLOSING_TAG.findall(self._turn(_SENTINEL).split(_SENTINEL)[-1]))
-        return sorted(found, key=len, reverse=True)
+        return tuple(sorted(found, key=lambda t: (-len(t), t)))
 
     def _renders_tools(self) -> bool:
         messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
@@ -196,12 +204,9 @@ class HermesSyntax(_Checks):
     # ------------------------------------------------------------------ the protocol
     def result_text(self, text: str) -> str:
         """The template's text from the end of the assistant's call to the next assistant
-        header, around the tool's output (special tokens in the output defused, as
-        arpo's ``</ result>``: printed text cannot end the turn)."""
-        for bad in self._defuse:  # "</tag>" -> "</ tag>", "<|im_end|>" -> "< |im_end|>"
-            cut = 2 if bad.startswith("</") else 1
-            text = text.replace(bad, bad[:cut] + " " + bad[cut:])
-        return self._turn(text)
+        header, around the tool's output (control tokens in the output defused, as
+        arpo's ``</ result>``: printed text cannot end the turn or forge one)."""
+        return self._turn(defuse(text, self.literals))
 
     def result_ids(self, text: str) -> list[int]:
         return self.tokenizer.encode(self.result_text(text), add_special_tokens=False)
@@ -215,8 +220,9 @@ class HermesSyntax(_Checks):
 
     def prompt(self, system: str | None) -> tuple[str | None, list[dict] | None]:
         """(system prompt, ``tools=`` for the template). A template that ignores
-        ``tools=`` (the tiny model's ChatML) gets Qwen's tools block in the system prompt."""
-        tools = [s.chat_tool() for s in self.specs.values()]
+        ``tools=`` (the tiny model's ChatML) gets Qwen's tools block in the system prompt.
+        The schemas' text (an MCP server's) is defused, as a result is."""
+        tools = [defuse_json(s.chat_tool(), self.literals) for s in self.specs.values()]
         if not tools or self.template_renders_tools:
             return system, tools or None
         block = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
@@ -244,7 +250,11 @@ class HermesSyntax(_Checks):
         if spec is None:
             known = ", ".join(self.specs) or "none"
             return ToolCall(name, body, f"Error: unknown tool {name!r} (available: {known})")
-        problem = _argument_problem(spec, arguments)
+        try:
+            problem = _argument_problem(spec, arguments)
+        except Exception as exc:  # a schema jsonschema cannot use: the call fails, not the rollout
+            first = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+            return ToolCall(name, body, f"Error: the schema of {name} cannot be checked ({first})")
         if problem:
             return ToolCall(name, body, f"Error: invalid arguments for {name}: {problem}")
         return ToolCall(name, spec.call_text(arguments))

@@ -279,13 +279,76 @@ def json_call_name(body: str) -> str:
     return name if isinstance(name, str) else ""
 
 
+def control_texts(tokenizer: object) -> tuple[str, ...]:
+    """The texts a tokenizer turns into control tokens wherever they appear: its special
+    tokens and every added token, special or not (``<|im_start|>`` is added but not in
+    the tiny tokenizer's ``all_special_tokens``; ARPO's tags are added, not special).
+    Longest first. Texts of one character or of whitespace only are left out: no break
+    can split them, and they are not chat control (docs/tools.md states the limit)."""
+    found = set(getattr(tokenizer, "all_special_tokens", None) or ())
+    for token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        found.add(getattr(token, "content", str(token)))
+    if hasattr(tokenizer, "get_added_vocab"):
+        found |= set(tokenizer.get_added_vocab())
+    return tuple(sorted((t for t in found if len(t) > 1 and t.strip()),
+                        key=lambda t: (-len(t), t)))
+
+
+@lru_cache(maxsize=64)
+def _literal_pattern(literals: frozenset[str]) -> re.Pattern | None:
+    # a literal of one character cannot be split, and one of spaces would grow forever
+    ordered = sorted((t for t in literals if len(t) > 1 and t.strip(" ")),
+                     key=lambda t: (-len(t), t))
+    return re.compile("|".join(map(re.escape, ordered))) if ordered else None
+
+
+def _break(literal: str) -> str:
+    """``</tag>`` -> ``</ tag>``, ``<|im_end|>`` -> ``< |im_end|>``: still readable, no
+    longer the literal (the convention ``format_result`` set for ``</result>``)."""
+    cut = 2 if literal.startswith("</") else 1
+    return literal[:cut] + " " + literal[cut:]
+
+
+def defuse(text: str, literals: Iterable[str]) -> str:
+    """Untrusted text (a tool's output, an MCP tool's description) with every occurrence
+    of ``literals`` (``control_texts`` of the tokenizer, plus a syntax's closing tags)
+    broken by a space, so the tokenizer reads it as text and never as a control token
+    that would end the turn or forge one. The one owner of this rule: every path that
+    encodes untrusted text (rollout, SFT, prompt) calls it. Repeated until nothing
+    matches (breaking one literal can leave an overlapping one whole), so it is
+    idempotent: a trace's already defused output defuses to itself."""
+    pattern = _literal_pattern(frozenset(literals))
+    if pattern is None:
+        return text
+    for _ in range(len(text) + 2):  # each pass breaks at least one match for good
+        out = pattern.sub(lambda m: _break(m.group(0)), text)
+        if out == text:
+            return out
+        text = out
+    raise ValueError("defuse: the literals keep re-forming each other (a literal with "
+                     "inner spaces?)")
+
+
+def defuse_json(obj: object, literals: Iterable[str]) -> object:
+    """``defuse`` on every string (keys and values) of a JSON-like object: a tool's
+    schema as it reaches the prompt."""
+    if isinstance(obj, str):
+        return defuse(obj, literals)
+    if isinstance(obj, dict):
+        return {defuse_json(k, literals): defuse_json(v, literals) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [defuse_json(v, literals) for v in obj]
+    return obj
+
+
 def format_result(text: str) -> str:
     """Wrap a tool's output for insertion after its call.
 
     A literal ``</result>`` in the output is defused (``</ result>``) so the block cannot
-    be closed early by what a tool printed.
+    be closed early by what a tool printed; ``ArpoSyntax.result_text`` first defuses the
+    tokenizer's control tokens too.
     """
-    return "\n<result>\n" + text.replace("</result>", "</ result>") + "\n</result>\n"
+    return "\n<result>\n" + defuse(text, ("</result>",)) + "\n</result>\n"
 
 
 def unwrap_result(block: str) -> str:

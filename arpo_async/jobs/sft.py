@@ -3,8 +3,9 @@
 Each trace is tokenised the way the actor will see it: the chat-templated prompt (with the
 generation prompt), then every response segment encoded on its own and concatenated -- a
 model segment is what the model samples in its rounds; a tool segment is
-``tokenizer.encode(format_result(output), add_special_tokens=False)``, exactly what
-``AgentRollout`` appends after a round that ended at a closing tool tag -- and the EOS
+``syntax.result_ids(output)`` (``format_result`` of the output with the tokenizer's control
+tokens defused: toolenv.tags.defuse), exactly what ``AgentRollout`` appends after a round
+that ended at a closing tool tag -- and the EOS
 token after ``</answer>``. The loss covers model tokens and that EOS only: prompt and
 tool-result tokens are inputs, never targets. With ``tools.syntax=hermes`` (``run_sft(...,
 tools=cfg.tools)``) the traces' ARPO calls become JSON calls and their results the chat
@@ -44,7 +45,7 @@ import numpy as np
 
 from arpo_async.core.config import ToolsConfig
 from arpo_async.core.files import iter_jsonl
-from toolenv.syntax import build_syntax
+from toolenv.syntax import ArpoSyntax, build_syntax
 from toolenv.tags import find_tool_call, unwrap_result
 from toolenv.tasks.prompts import encode_prompt
 
@@ -67,11 +68,13 @@ def prompt_ids(tokenizer: Any, system: str | None, question: str,
 def _segment_ids(tokenizer: Any, role: str, text: str, syntax: Any) -> list[int]:
     """A segment's ids. Traces are written in ARPO's tags (the synthetic suite); under
     tools.syntax=hermes a model segment's closing call is rewritten as a JSON call and a
-    tool segment becomes the template's tool message, as the rollout inserts it."""
-    if syntax is None or syntax.name == "arpo":
-        return tokenizer.encode(text, add_special_tokens=False)
+    tool segment becomes the template's tool message, as the rollout inserts it. A tool
+    segment is re-inserted through the syntax in both, so the output's control tokens
+    are defused as the rollout defuses them (toolenv.tags.defuse)."""
     if role == "tool":
         return syntax.result_ids(unwrap_result(text))
+    if syntax.name == "arpo":
+        return tokenizer.encode(text, add_special_tokens=False)
     call = find_tool_call(text)
     if call is not None:
         text = (text[:text.rstrip().rfind(f"<{call.name}>")]
@@ -89,6 +92,7 @@ def encode_trace(tokenizer: Any, row: dict, where: str = "trace",
         raise SFTDataError(f"{where}: no 'segments' list")
     if not isinstance(row.get("question"), str):
         raise SFTDataError(f"{where}: no 'question'")
+    syntax = syntax or ArpoSyntax((), tokenizer)  # the rollout's default: ARPO's tags
     ids = prompt_ids(tokenizer, row.get("system"), row["question"], syntax)
     mask = [0] * len(ids)
     for j, seg in enumerate(segments):
