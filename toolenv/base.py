@@ -19,6 +19,10 @@ A tool is a class with
   ``async fork()``; ``close(reason)``) and ``async call_in(session, args)``
   (``toolenv.runner.ToolState`` carries a trajectory's sessions).
 
+Every result is cut to ``tools.max_result_chars`` characters by the runner (``cap_text``)
+before the model or the cache sees it; a tool may stop reading earlier (an MCP server's
+oversized messages are dropped as they arrive: toolenv/mcp_tools.py).
+
 A custom tool (``tools.custom``, docs/tools.md) is constructed without arguments; the
 class is checked before a run starts (``toolenv.tool_classes``). Every call
 goes through ``toolenv.runner.ToolRunner`` (cache, rate limit, concurrency limit,
@@ -40,6 +44,16 @@ class ToolResult:
     cached: bool = False
     error: str = ""  # short error kind: "timeout", "http_503", "sandbox", ...
     transient: bool = False  # worth retrying (HTTP 5xx/429, connection reset); never timeouts
+    truncated: bool = False  # cut at the runner's tools.max_result_chars (cap_text)
+
+
+def cap_text(text: str, limit: int) -> tuple[str, bool]:
+    """``text`` cut to ``limit`` characters with a marker the model reads, and whether it
+    was cut. The runner applies it to every tool's result (``tools.max_result_chars``), so
+    no tool, however its server misbehaves, hands the model or the cache more than that."""
+    if len(text) <= limit:
+        return text, False
+    return f"{text[:limit]}\n... [result truncated at {limit} characters]", True
 
 
 class Tool(Protocol):

@@ -3,9 +3,11 @@
 ``ToolRunner.call`` wraps a tool (toolenv/base.py), in this order: shared cache lookup ->
 rate limit (asyncio-throttle) -> concurrency semaphore -> wall-clock timeout
 (``asyncio.wait_for``, so it fires even when the tool hangs) -> retries with exponential
-backoff for transient errors only -> cache store of successful results. Errors and
-timeouts are never cached, and a timeout is never retried (a snippet that ran out of time
-once will do so again).
+backoff for transient errors only -> the result cap (``tools.max_result_chars``: every
+tool's text, error or not, is cut there with a marker and counted as ``truncated``) ->
+cache store of successful results. Errors and timeouts are never cached, and a timeout is
+never retried (a snippet that ran out of time once will do so again). A cached result is
+capped again when read (an entry from a run with a larger cap).
 
 ``build_tools`` wires the tools listed in ``ToolsConfig.enabled``, the classes named in
 ``ToolsConfig.custom`` and the tools of the ``ToolsConfig.mcp`` servers (toolenv/
@@ -34,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from asyncio_throttle import Throttler
 
 from arpo_async.core.config import ConfigError
-from toolenv.base import Tool, ToolResult
+from toolenv.base import Tool, ToolResult, cap_text
 from toolenv.cache import ToolCache
 from toolenv.mcp_tools import mcp_tools
 from toolenv.python_tool import PythonTool
@@ -48,7 +50,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _LATENCY_WINDOW = 10_000  # latencies kept for the percentiles (the mean is exact)
-_PER_TOOL = ("calls", "cache_hits", "errors", "timeouts")
+_PER_TOOL = ("calls", "cache_hits", "errors", "timeouts", "truncated")
 
 
 def _throttler(rate_per_s: float) -> Throttler | None:
@@ -86,18 +88,21 @@ class ToolRunner:
     """Every tool call goes through here (see the module docstring for the order)."""
 
     def __init__(self, tools: dict[str, Tool], cache: ToolCache | None, rate_per_s: float,
-                 concurrency: int, timeout_s: float, retries: int, backoff_s: float = 0.1):
-        if concurrency < 1 or timeout_s <= 0 or retries < 0 or backoff_s < 0:
+                 concurrency: int, timeout_s: float, retries: int, backoff_s: float = 0.1,
+                 max_result_chars: int = 8192):
+        if (concurrency < 1 or timeout_s <= 0 or retries < 0 or backoff_s < 0
+                or max_result_chars < 1):
             raise ValueError(f"ToolRunner: need concurrency >= 1, timeout_s > 0, retries >= 0, "
-                             f"backoff_s >= 0; got {concurrency}, {timeout_s}, {retries}, "
-                             f"{backoff_s}")
+                             f"backoff_s >= 0, max_result_chars >= 1; got {concurrency}, "
+                             f"{timeout_s}, {retries}, {backoff_s}, {max_result_chars}")
         self.tools, self.cache = dict(tools), cache
+        self.max_result_chars = max_result_chars
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
         self._throttle = _throttler(rate_per_s)
         self._slots = asyncio.Semaphore(concurrency)
         self._counts = dict.fromkeys(
             ("calls", "executed", "cache_hits", "cache_misses", "errors", "timeouts", "retries",
-             "invalid_calls", "cache_lookup_errors", "cache_store_errors"), 0)
+             "invalid_calls", "cache_lookup_errors", "cache_store_errors", "truncated"), 0)
         self._latency_sum = 0.0
         self._latencies: deque[float] = deque(maxlen=_LATENCY_WINDOW)
         self._per_tool: dict[str, dict[str, float]] = {}
@@ -126,7 +131,7 @@ class ToolRunner:
             if result is not None and session is not None:
                 session.advance(args)
             if result is None:
-                result = await self._execute(tool, args, session)
+                result = self._cap(await self._execute(tool, args, session))
                 self._store(tool, args, result, digest)
         result.latency_s = time.perf_counter() - start
         self._count(name, result)
@@ -154,7 +159,13 @@ class ToolRunner:
             self._counts["cache_misses"] += 1
             return None
         self._counts["cache_hits"] += 1
-        return ToolResult(text, ok=True, cached=True)
+        return ToolResult(cap_text(text, self.max_result_chars)[0], ok=True, cached=True)
+
+    def _cap(self, result: ToolResult) -> ToolResult:
+        """The result cut to ``max_result_chars`` (before it is cached or read)."""
+        result.text, cut = cap_text(result.text, self.max_result_chars)
+        result.truncated = result.truncated or cut
+        return result
 
     async def _execute(self, tool: Tool, args: str, session: Any) -> ToolResult:
         self._counts["executed"] += 1
@@ -198,7 +209,8 @@ class ToolRunner:
     def _count(self, name: str, result: ToolResult) -> None:
         per = self._per_tool.setdefault(name, {**dict.fromkeys(_PER_TOOL, 0), "latency_sum": 0.0})
         updates = {"calls": 1, "cache_hits": int(result.cached), "errors": int(not result.ok),
-                   "timeouts": int(result.error == "timeout")}
+                   "timeouts": int(result.error == "timeout"),
+                   "truncated": int(result.truncated and not result.cached)}
         for key, value in updates.items():
             per[key] += value
             if key != "cache_hits":  # counted at lookup time
@@ -213,7 +225,8 @@ class ToolRunner:
         calls: every call; executed: calls that ran the tool (cache hits did not; retries
         are counted apart in retries); cache_hits/cache_misses: lookups; errors: calls
         whose final result was not ok (timeouts, unknown tools and invalid calls
-        included); invalid_calls: calls answered by ``reject``; timeouts;
+        included); invalid_calls: calls answered by ``reject``; timeouts; truncated:
+        results cut at ``max_result_chars`` (or refused as too large by the tool itself);
         cache_lookup_errors/cache_store_errors: cache failures that cost only the cache.
         Latency is in seconds, end to end as the caller saw it (throttling and retries
         included); percentiles over the last 10,000 calls, the mean over all. A tool with
@@ -278,7 +291,8 @@ def build_tools(cfg: ToolsConfig, run_dir: str | Path) -> ToolRunner:
         cache.close()
         raise
     return ToolRunner(tools, cache, rate_per_s=cfg.rate_per_s, concurrency=cfg.concurrency,
-                      timeout_s=cfg.timeout_s, retries=cfg.retries)
+                      timeout_s=cfg.timeout_s, retries=cfg.retries,
+                      max_result_chars=cfg.max_result_chars)
 
 
 def custom_tools(cfg: ToolsConfig) -> dict[str, Tool]:

@@ -5,13 +5,18 @@ follow the tool protocol of toolenv/base.py, before anything starts.
 ``--dry-run``, the pipeline), so a bad entry stops it with one line naming
 ``tools.custom[i]`` and the path before any process starts; evaluation and SFT meet the
 same error when they build their tools. Only the class is inspected here (attributes,
-signatures); it is instantiated by ``toolenv.runner.build_tools``.
+signatures); it is instantiated by ``toolenv.runner.build_tools``. Its ``parameters``
+must be a schema jsonschema can check calls against (``schema_problem``, which the
+``tools.mcp`` tools' schemas meet too): one it cannot use would fail the hermes syntax's
+check of each call instead.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import re
+from typing import Any
 
 from toolenv.tags import RESERVED, TAG_NAME
 
@@ -51,6 +56,9 @@ def tool_class_problem(cls: type) -> str:
     if (not isinstance(params, dict) or params.get("type") != "object"
             or not isinstance(params.get("properties"), dict)):
         return 'parameters must be a JSON schema {"type": "object", "properties": {...}}'
+    problem = schema_problem(params)
+    if problem:
+        return f"parameters: a JSON schema that calls cannot be checked against: {problem}"
     if not hasattr(cls, "version"):
         return "no version (a str, part of the result cache key)"
     version = inspect.getattr_static(cls, "version")
@@ -65,6 +73,59 @@ def tool_class_problem(cls: type) -> str:
     except ValueError:  # no signature to read (a C type): let construction tell
         pass
     return ""
+
+
+def schema_problem(schema: Any) -> str:
+    """Why jsonschema cannot check calls against ``schema`` ("" when it can): the
+    metaschema's verdict, a pattern Python cannot compile, a local ``$ref`` that points
+    nowhere, or what checking an empty object raises; each would otherwise raise in the
+    middle of a rollout (toolenv/syntax.py, ``HermesSyntax.find_call``). Checked for the
+    ``tools.custom`` classes here and for the ``tools.mcp`` tools when their server lists
+    them (toolenv/mcp_tools.py)."""
+    import jsonschema  # jsonschema: heavy (about 0.5 s), for tool schemas only
+    from referencing import Registry
+    from referencing.jsonschema import specification_with
+
+    if not isinstance(schema, dict) or schema.get("type", "object") != "object":
+        return 'not a JSON schema of type "object"'
+    try:
+        cls = jsonschema.validators.validator_for(schema)
+        cls.check_schema(schema)
+        patterns, refs = _walk(schema)
+        for pattern in patterns:
+            re.compile(pattern)
+        spec = specification_with(cls.META_SCHEMA.get("$schema", ""))
+        resolver = Registry().resolver_with_root(spec.create_resource(schema))
+        for ref in refs:
+            resolver.lookup(ref)
+        cls(schema).is_valid({})
+    except Exception as exc:  # SchemaError, re.error, Unresolvable, UnknownType, ...
+        return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+    return ""
+
+
+_DATA = ("const", "default", "enum", "examples")  # values, not schemas: never walked
+
+
+def _walk(node: Any) -> tuple[list[str], list[str]]:
+    """The ``pattern`` values and ``patternProperties`` keys, and the local ``$ref``s,
+    anywhere in a schema."""
+    patterns: list[str] = []
+    refs: list[str] = []
+    stack = [node]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack += node
+        elif isinstance(node, dict):
+            if isinstance(node.get("pattern"), str):
+                patterns.append(node["pattern"])
+            if isinstance(node.get("patternProperties"), dict):
+                patterns += list(node["patternProperties"])
+            if isinstance(node.get("$ref"), str) and node["$ref"].startswith("#"):
+                refs.append(node["$ref"])
+            stack += [v for k, v in node.items() if k not in _DATA]
+    return patterns, refs
 
 
 def custom_tool_names(paths: list[str], enabled: list[str]) -> list[str]:

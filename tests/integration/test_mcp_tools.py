@@ -28,8 +28,16 @@ STDIO = {"name": "testsrv", "command": sys.executable, "args": [SERVER]}
 
 
 def _servers() -> list[psutil.Process]:
-    return [p for p in psutil.Process().children(recursive=True)
-            if SERVER in " ".join(p.cmdline())]
+    """The test servers among this process's children; a child that is a zombie (an
+    earlier test's vLLM EngineCore), exits while listed, or is not ours to read is not one."""
+    found = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if SERVER in " ".join(proc.cmdline()):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            continue
+    return found
 
 
 def _wait(predicate, timeout_s: float = 60.0) -> bool:

@@ -90,6 +90,10 @@ class ToolsConfig(_Section):
     concurrency: int = Field(16, ge=1, description="tool calls in flight per actor")
     timeout_s: float = Field(10.0, description="wall-clock limit per tool call")
     retries: int = Field(2, ge=0, description="retries of a transient tool error")
+    max_result_chars: int = Field(
+        8192, ge=1, description="longest tool result the model reads or the cache keeps, "
+        "characters, for every tool (python, search, custom, MCP); longer ones are cut with "
+        "a marker (an MCP answer far larger is dropped unread: toolenv/mcp_tools.py)")
     python_cpu_s: int = Field(5, description="sandbox CPU-time limit, seconds")
     python_memory_mb: int = Field(512, description="sandbox address-space limit, MiB")
     python_max_procs: int = Field(32, description="sandbox process limit")
