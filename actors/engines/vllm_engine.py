@@ -52,6 +52,7 @@ from actors.engines.base import (
     checkpoint_shapes,
     torch_state_dict,
 )
+from actors.engines.reaping import Procs, mp_children, reap
 from actors.weights.nccl import NcclTransferFailed, update_info_from
 
 logger = logging.getLogger(__name__)
@@ -158,6 +159,7 @@ class VLLMEngine:
         self.startup_s = 0.0
         self._expected: dict[str, tuple] | None = None  # checkpoint names -> shapes
         self.nccl_workers = 1  # vLLM worker processes (tensor parallel), for NCCL weights
+        self._procs: Procs = []  # the engine-core process(es), reaped by close()
 
     @classmethod
     async def create(
@@ -210,10 +212,16 @@ class VLLMEngine:
             enable_prefix_caching=enable_prefix_caching, tensor_parallel_size=tensor_parallel,
             disable_log_stats=True, **memory,
         )
+        before = mp_children()  # what the start adds is the engine's, for close() to reap
         # No local name for the AsyncLLM: the engine object must hold the only reference,
         # so that close() can release it (a finished frame here kept it alive).
-        engine = cls(AsyncLLM.from_engine_args(args), dtype, max_model_len, max_logprobs,
-                     enable_prefix_caching, version, update_mode, model_path)
+        try:
+            engine = cls(AsyncLLM.from_engine_args(args), dtype, max_model_len, max_logprobs,
+                         enable_prefix_caching, version, update_mode, model_path)
+        except BaseException:
+            await reap(mp_children(before))  # a failed start leaves processes to reap too
+            raise
+        engine._procs = mp_children(before)
         engine._expected = checkpoint_shapes(model_path)
         engine.nccl_workers = tensor_parallel
         try:
@@ -453,7 +461,7 @@ class VLLMEngine:
         return header.version, drain_s + load_s
 
     async def close(self) -> None:
-        """Shut the engine-core process down and remove the weight scratch folder."""
+        """Shut the engine-core process down, reap it, and remove the weight scratch folder."""
         llm, self._llm = self._llm, None
         if llm is not None:
             llm.shutdown()
@@ -462,6 +470,8 @@ class VLLMEngine:
             await asyncio.sleep(0)
             del llm
             gc.collect()
+        procs, self._procs = self._procs, []
+        await reap(procs)
         shutil.rmtree(self._shm, ignore_errors=True)
 
 
