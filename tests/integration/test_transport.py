@@ -437,11 +437,13 @@ async def test_curve_admits_the_listed_client_and_shuts_out_the_rest(tmp_path):
         server, weights = weights_server(stack, curve=server_keys)
         weights.publish(1, tensors, bf16_names=bf16)
 
-        tx = TrajectorySender(rx.endpoint, timeout_s=5, curve=good)
+        # What the listed client gets has generous bounds (a loaded machine is slow to
+        # handshake); the bounds on what the others must never get only set how long we look.
+        tx = TrajectorySender(rx.endpoint, timeout_s=30, curve=good)
         stack.callback(tx.close, 0)
-        c = client(stack, server.endpoint, timeout_s=5, curve=good)
+        c = client(stack, server.endpoint, timeout_s=30, curve=good)
         await tx.send(make_group(1))
-        assert (await asyncio.to_thread(rx.recv, 5.0)).group_id == "g1"
+        assert (await asyncio.to_thread(rx.recv, 30.0)).group_id == "g1"
         update = await fetch(c, -1)
         assert np.array_equal(update.tensors["embed"], tensors["embed"])
 
@@ -449,17 +451,33 @@ async def test_curve_admits_the_listed_client_and_shuts_out_the_rest(tmp_path):
             bad_tx = TrajectorySender(rx.endpoint, timeout_s=5, curve=keys)
             stack.callback(bad_tx.close, 0)
             bad_c = client(stack, server.endpoint, timeout_s=1.0, curve=keys)
-            await bad_tx.send(make_group(99))  # queued in the actor, never delivered
+            # The group queues in the actor, or waits for a connection, depending on where
+            # libzmq's refuse-and-reconnect cycle is when it is sent (on a loaded machine
+            # it waited, and the test with it, until pytest-timeout); never delivered.
+            sending = asyncio.create_task(bad_tx.send(make_group(99)))
             assert await asyncio.to_thread(rx.recv, 1.0) is None
+            sending.cancel()
+            await asyncio.gather(sending, return_exceptions=True)
             with pytest.raises(TransportTimeout):
                 await fetch(bad_c, -1, 9)
-        assert rx.rejected["curve_denied"] >= 1 and server.rejected["curve_denied"] >= 1
         assert rx.received == 1 and weights.served == {1: 1}
         await tx.send(make_group(2))  # the authorised actor is unaffected
-        assert (await asyncio.to_thread(rx.recv, 5.0)).group_id == "g2"
-        # the peers without any keys never reached ZAP: counted by the handshake watch
-        assert rx.rejected["handshake_failed"] >= 1, rx.rejected
-        assert server.rejected["handshake_failed"] >= 1, server.rejected
+        assert (await asyncio.to_thread(rx.recv, 30.0)).group_id == "g2"
+        # A wrong key is counted when the ZAP thread denies it; a peer without any keys
+        # never reaches ZAP and is counted by the handshake watch, which rx.recv reads.
+        counted = await asyncio.to_thread(refusals_counted, rx, server, 30.0)
+        assert counted, (rx.rejected, server.rejected)
+
+
+def refusals_counted(rx: TrajectoryReceiver, server: ControlServer, timeout_s: float) -> bool:
+    """Whether both ends count both kinds of refused peer within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert rx.recv(0.05) is None  # reads rx's handshake watch; nothing else may arrive
+        if all(counts[reason] >= 1 for counts in (rx.rejected, server.rejected)
+               for reason in ("curve_denied", "handshake_failed")):
+            return True
+    return False
 
 
 async def test_wrong_reply_kinds_are_errors_and_no_weights_is_none():
