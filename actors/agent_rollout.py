@@ -269,7 +269,9 @@ class AgentRollout:
 
     def _maybe_grow(self, prompt: Prompt, group: _GroupState) -> None:
         """AEPO's budget split when its probe ended before any tool call, then the fill
-        rule (docs/design.md "ARPO branching")."""
+        rule (docs/design.md "ARPO branching"): with nothing of the group live, every
+        missing global sample (``rollout.fill=all``) or one (``one_per_round``, the
+        authors'; the next comes when it and its forks have ended)."""
         if group.probe_pending:
             self._split_budget(prompt, group)
         for tid in group.planner.fill():

@@ -21,7 +21,9 @@ The rules (docs/design.md "ARPO branching"; ARPO arXiv 2507.19849 Sec. 3.2):
    window gets no decision (no draw, no fork; counted as ``skipped_short``), nor does any
    round of a trajectory whose H_init came from a short round.
 4. ``fill()``: when nothing of the prompt is live and fewer than M leaves exist, start
-   fresh global samples up to M.
+   fresh global samples: every missing one at once (``fill="all"``), or one
+   (``fill="one_per_round"``, the authors' code: one per rollout round, and that sample
+   may branch before the next is started).
 
 Where the fork happens (fixing the reference's "one tool call late" bug): the decision
 is made from the round that *follows* a tool result, and each fork starts from the
@@ -37,9 +39,14 @@ AEPO (arXiv 2510.14545, Sec. 3 "dynamic entropy-balanced rollout"):
   H_tool split the budget, m = k * sigmoid(beta * (H_root - H_tool)) global samples
   (``aepo_global_samples``, rounded half-up, clamped to [1, M]; the authors' code uses
   int(k * sigma) + 1), the rest left to branching;
-* consecutive-branch penalty: P_t *= max(0, 1 - penalty * l), l = consecutive tool
+* consecutive-branch penalty, with f = max(0, 1 - penalty * l), l = consecutive tool
   rounds on this lineage that branched (a fork starts with its parent's count; a round
-  that does not branch resets it to 0).
+  that does not branch resets it to 0): P_t *= f (``aepo_rule="scaled"``), or the
+  authors' rule, branch iff clip((u + beta * dH_t) * f, 0, 1) >= alpha
+  (``aepo_rule="authors"``, ``aepo_authors_branches``).
+
+docs/design.md "Differences from the authors' code" lists where this module still departs
+from the authors' rollout (their counter is per prompt, their probe a separate rollout).
 
 Trajectory ids are 0, 1, 2, ... in creation order, so a parent's id is always smaller
 than its forks'. Every created trajectory ends as exactly one leaf, so leaves sorted by
@@ -73,6 +80,8 @@ class BranchSettings:
     budget_beta: float = 0.5  # AEPO: slope of the sigmoid budget split
     fork_h_init: str = "parent"  # a fork's H_init: its parent's, or its own first round's
     short_round: str = "as_is"  # skip: no decision on a round shorter than the window
+    fill: str = "all"  # nothing live, leaves < M: start all missing roots, or one_per_round
+    aepo_rule: str = "scaled"  # AEPO: u < P * f (scaled), or (u + beta dH) f >= alpha (authors)
 
     def __post_init__(self) -> None:
         if self.group_size < 1:
@@ -86,6 +95,10 @@ class BranchSettings:
             raise ValueError(f"aepo_penalty must be in [0, 1], got {self.aepo_penalty}")
         if self.fork_h_init not in ("parent", "own"):
             raise ValueError(f"fork_h_init must be parent or own, got {self.fork_h_init!r}")
+        if self.fill not in ("all", "one_per_round"):
+            raise ValueError(f"fill must be all or one_per_round, got {self.fill!r}")
+        if self.aepo_rule not in ("scaled", "authors"):
+            raise ValueError(f"aepo_rule must be scaled or authors, got {self.aepo_rule!r}")
 
     @classmethod
     def from_config(cls, rollout_cfg: Any) -> BranchSettings:
@@ -110,6 +123,8 @@ class BranchSettings:
             budget_beta=rollout_cfg.aepo_budget_beta,
             fork_h_init=rollout_cfg.fork_h_init,
             short_round=rollout_cfg.short_round,
+            fill=rollout_cfg.fill,
+            aepo_rule=rollout_cfg.aepo_rule if aepo else "scaled",
         )
 
 
@@ -127,6 +142,24 @@ def branch_probability(h_t: float, h_init: float, alpha: float, beta: float) -> 
 def aepo_penalty_factor(consecutive: int, penalty: float) -> float:
     """AEPO's consecutive-branch penalty: 1 - penalty * l, floored at 0."""
     return max(0.0, 1.0 - penalty * consecutive)
+
+
+def aepo_authors_branches(u: float, dh: float, alpha: float, beta: float,
+                          factor: float) -> bool:
+    """AEPO's branch rule as the authors' code has it: draw u in [0, 1), branch iff
+    clip((u + beta * dH) * factor, 0, 1) >= alpha (factor: ``aepo_penalty_factor``)."""
+    return min(1.0, max(0.0, (u + beta * dh) * factor)) >= alpha
+
+
+def aepo_authors_probability(dh: float, alpha: float, beta: float, factor: float) -> float:
+    """The chance that ``aepo_authors_branches`` branches for u uniform on [0, 1):
+    clip(1 - alpha / factor + beta * dH, 0, 1) (1 - alpha + beta dH without penalty,
+    ARPO's P when alpha = 0.5)."""
+    if alpha <= 0.0:
+        return 1.0
+    if factor <= 0.0:
+        return 0.0
+    return float(min(1.0, max(0.0, 1.0 - alpha / factor + beta * dh)))
 
 
 def aepo_global_samples(h_root: float, h_tool: float | Sequence[float], budget: int,
@@ -214,10 +247,11 @@ class BranchPlanner:
 
     def fill_count(self) -> int:
         """Fresh global samples needed now: 0 while any trajectory is live (or before
-        ``start``), else M - leaves."""
+        ``start``), else M - leaves (``fill="all"``) or at most one (``one_per_round``)."""
         if self.created == 0 or self._live:
             return 0
-        return self.settings.group_size - len(self._leaves)
+        missing = self.settings.group_size - len(self._leaves)
+        return min(1, missing) if self.settings.fill == "one_per_round" else missing
 
     def stats(self) -> dict[str, float]:
         """Counters and the branch probabilities' sums of this group, to be added up
@@ -289,15 +323,18 @@ class BranchPlanner:
         known = _finite(h_t) and _finite(h_init)
         dh = h_t - h_init if known else 0.0
         streak = self._streak[traj_id]
-        p = branch_probability(h_t, h_init, s.alpha, s.beta)
-        p *= aepo_penalty_factor(streak, s.aepo_penalty)
+        factor = aepo_penalty_factor(streak, s.aepo_penalty)
+        authors = s.aepo_rule == "authors"
+        p = (aepo_authors_probability(dh, s.alpha, s.beta, factor) if authors
+             else branch_probability(h_t, h_init, s.alpha, s.beta) * factor)
         draw = self._rng.random() if s.branching and not s.threshold_mode else math.nan
         if not s.branching:
             want = False
         elif s.threshold_mode:
             want = p >= s.branch_threshold
         else:
-            want = draw < p
+            want = (aepo_authors_branches(draw, dh, s.alpha, s.beta, factor) if authors
+                    else draw < p)
         n = min(s.branch_factor, self.remaining_budget()) if want else 0
         inherited = h_init if s.fork_h_init == "parent" else None
         forks = [self._create(traj_id, inherited, streak + 1, self._short_init[traj_id])

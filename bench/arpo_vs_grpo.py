@@ -7,14 +7,21 @@ each arm is a real RL stage (vLLM actors, DeepSpeed learner, sandboxed Python, t
 BM25 retriever) followed by the held-out evaluation of its last checkpoint:
 
 - ``grpo``: no branching;
-- ``arpo``: entropy branching with the authors' estimator (``entropy_estimator=reference``,
-  top 10) and their alpha 0.5, beta 0.2;
+- ``arpo``: entropy branching on the authors' settings: their estimator
+  (``entropy_estimator=reference``, top 10), alpha 0.5, beta 0.2, short rounds as they are,
+  a fork's own first round as its H_init, one fresh sample per round while none is live
+  (``AUTHORS``; tests/unit/test_authors_decisions.py);
 - ``arpo_exact``: the same with the exact entropy (vLLM returns each window token's whole
   log-prob vector);
 - ``random``: ``beta=0`` and ``alpha`` = the decision-weighted mean P of the same seed's
   ``arpo`` run: as many forks at the same decision points, placed by chance, the ablation
   that isolates the entropy signal;
-- ``aepo``: AEPO (dynamic budget split, branch penalty), reference estimator.
+- ``aepo``: AEPO as the paper describes it, on the same settings: dynamic budget split,
+  branch penalty 0.05 with the authors' rule, entropy-balanced clipping, entropy-aware
+  advantage (gamma 0.2);
+- ``aepo_released`` (only when named in ``--arms``): AEPO as the authors' released scripts
+  run it (AEPO/scripts/AEPO_*_DeepResearch.sh:52-54): no dynamic budget, and no
+  entropy-aware advantage (theirs never acts: no entropy is computed at entropy_coeff 0).
 
 **Budget: executed tool calls** (``run.tool_call_budget``, the same for every arm): ARPO's
 claim is better accuracy per tool call, and on this shared machine wall time measures
@@ -36,7 +43,10 @@ paired arpo - random difference; r: arpo / grpo tool calls per leaf).
         [--arms grpo,arpo,arpo_exact,random,aepo] [--eval-limit 150] [--eval-k 2]
         [--null-limit 48 --null-k 4] [--lock FILE] [key=value ...]
 
-Arms already finished under ``--out`` are read back, not run again. ``--run`` is a
+Arms already finished under ``--out`` are read back, not run again, if their folder
+records this code (``git`` commit, plus a hash of uncommitted changes to the packages and
+configs) and this arm's config (a hash; ``bench_arm.json``); any other folder is run again.
+``--run`` is a
 finished default job on the noisy suite, e.g. ``python -m arpo_async.launch run.dir=runs/noisy
 pipeline.data_dir=data/noisy task.data=data/noisy/rl.jsonl pipeline.suite_noise=0.3
 pipeline.suite_slips=0.2 rollout.tool_call_limit=5 sampling.max_response_tokens=400``.
@@ -47,10 +57,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import hashlib
 import json
 import math
 import os
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -58,30 +70,82 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, SCRATCH_DIR, write_results  # noqa: E402
+from common import REPO, RESULTS, SCRATCH_DIR, write_results  # noqa: E402
 
 ARMS = ("grpo", "arpo", "arpo_exact", "random", "aepo")
+KNOWN_ARMS = (*ARMS, "aepo_released")  # the last runs only when named in --arms
 REFERENCE = {"rollout.entropy_estimator": "reference", "sampling.logprobs_topk": 10,
              "rollout.alpha": 0.5, "rollout.beta": 0.2}
+# The authors' rollout (vllm_rollout_with_tools.py): short rounds summed as they are, a
+# fork's H_init from its own first round, one fresh global sample per round.
+AUTHORS = {"rollout.short_round": "as_is", "rollout.fork_h_init": "own",
+           "rollout.fill": "one_per_round"}
+AEPO_PAPER = {"rollout.aepo_dynamic_budget": True, "rollout.aepo_branch_penalty": 0.05,
+              "rollout.aepo_rule": "authors", "learner.loss.aepo_entropy_clip": True,
+              "learner.loss.aepo_entropy_adv_gamma": 0.2}
+AEPO_RELEASED = {**AEPO_PAPER, "rollout.aepo_dynamic_budget": False,
+                 "learner.loss.aepo_entropy_adv_gamma": 0.0}
+ARM_RECORD = "bench_arm.json"  # the code and config an arm's folder was run with
+CODE_PATHS = ("actors", "learner", "arpo_async", "toolenv", "configs")
 PAIRS = (("arpo", "random"), ("arpo", "grpo"), ("arpo_exact", "random"),
-         ("arpo_exact", "grpo"), ("aepo", "grpo"), ("random", "grpo"))
+         ("arpo_exact", "grpo"), ("aepo", "grpo"), ("random", "grpo"),
+         ("aepo_released", "grpo"), ("aepo", "aepo_released"))
 
 
 def arm_overrides(arm: str, random_alpha: float | None) -> dict:
     if arm == "grpo":
         return {"rollout.mode": "grpo"}
     if arm == "arpo":
-        return {"rollout.mode": "arpo", **REFERENCE}
+        return {"rollout.mode": "arpo", **REFERENCE, **AUTHORS}
     if arm == "arpo_exact":
-        return {"rollout.mode": "arpo", **REFERENCE, "rollout.entropy_estimator": "exact"}
-    if arm == "aepo":
-        return {"rollout.mode": "aepo", **REFERENCE}
+        return {"rollout.mode": "arpo", **REFERENCE, **AUTHORS,
+                "rollout.entropy_estimator": "exact"}
+    if arm in ("aepo", "aepo_released"):
+        return {"rollout.mode": "aepo", **REFERENCE, **AUTHORS,
+                **(AEPO_PAPER if arm == "aepo" else AEPO_RELEASED)}
     if arm == "random":
         if random_alpha is None:
             raise ValueError("the random arm needs the same seed's arpo run first")
-        return {"rollout.mode": "arpo", **REFERENCE, "rollout.beta": 0.0,
+        return {"rollout.mode": "arpo", **REFERENCE, **AUTHORS, "rollout.beta": 0.0,
                 "rollout.alpha": random_alpha}
-    raise ValueError(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}")
+    raise ValueError(f"unknown arm {arm!r}; choose from {', '.join(KNOWN_ARMS)}")
+
+
+def arm_config(base, arm: str, seed: int, args, out: Path, random_alpha: float | None):
+    """The validated config an arm runs with."""
+    cfg = base.model_copy(deep=True)
+    overrides = {"run.seed": seed, "run.tool_call_budget": args.tool_calls,
+                 "run.time_limit_s": args.max_s,
+                 "run.time_limit_from": "first_step",  # start-up, load-dependent, not counted
+                 "learner.max_steps": 100000, "pipeline.eval_limit": args.eval_limit,
+                 "pipeline.eval_k": args.eval_k, "metrics.wandb": False,
+                 **arm_overrides(arm, random_alpha)}
+    for key, value in overrides.items():
+        *path, name = key.split(".")
+        node = cfg
+        for part in path:
+            node = getattr(node, part)
+        setattr(node, name, value)
+    cfg.run.dir = str(out / f"{arm}-seed{seed}")
+    return type(cfg).model_validate(cfg.model_dump())  # re-check the changed fields
+
+
+def config_hash(cfg) -> str:
+    """sha256 of the config, its run folder left out (a moved --out keeps its arms)."""
+    tree = cfg.model_dump(mode="json")
+    tree["run"].pop("dir", None)
+    return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def code_version() -> str:
+    """The checkout's commit, plus a hash of uncommitted changes to what a run executes."""
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", *argv], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout
+
+    diff = git("diff", "HEAD", "--", *CODE_PATHS)
+    dirty = f"+{hashlib.sha256(diff.encode()).hexdigest()[:12]}" if diff else ""
+    return git("rev-parse", "HEAD").strip() + dirty
 
 
 def decision_weighted_p(run_dir: Path) -> float:
@@ -114,19 +178,9 @@ def run_arm(base, arm: str, seed: int, args, sft: str, url: str, out: Path,
     from arpo_async.core.rundir import latest_checkpoint
     from arpo_async.jobs.pipeline import run_eval, run_rl
 
-    cfg = base.model_copy(deep=True)
-    run_dir = out / f"{arm}-seed{seed}"
-    overrides = {"run.seed": seed, "run.tool_call_budget": args.tool_calls,
-                 "run.time_limit_s": args.max_s,
-                 "run.time_limit_from": "first_step",  # start-up, load-dependent, not counted
-                 "learner.max_steps": 100000, "pipeline.eval_limit": args.eval_limit,
-                 "pipeline.eval_k": args.eval_k, "metrics.wandb": False,
-                 **arm_overrides(arm, random_alpha)}
-    for key, value in overrides.items():
-        section, name = key.split(".")
-        setattr(getattr(cfg, section), name, value)
-    cfg.run.dir = str(run_dir)
-    cfg = type(cfg).model_validate(cfg.model_dump())  # re-check the changed fields
+    cfg = arm_config(base, arm, seed, args, out, random_alpha)
+    run_dir = Path(cfg.run.dir)
+    record = {"code": code_version(), "config_sha": config_hash(cfg)}  # before the run
     run_dir.mkdir(parents=True)
     t0 = time.time()
     run_rl(cfg, run_dir, sft, url, quiet=True)
@@ -135,6 +189,7 @@ def run_arm(base, arm: str, seed: int, args, sft: str, url: str, out: Path,
     timing = {"stage_s": round(t_rl, 1), "eval_s": round(time.time() - t0 - t_rl, 1),
               "loadavg_1m_after": round(os.getloadavg()[0], 2)}
     (run_dir / "bench_timing.json").write_text(json.dumps(timing))
+    (run_dir / ARM_RECORD).write_text(json.dumps(record))  # last: the arm is complete
     return row_from_folder(run_dir, arm, seed)
 
 
@@ -162,21 +217,22 @@ def row_from_folder(run_dir: Path, arm: str, seed: int) -> dict:
     return row
 
 
-def finished(run_dir: Path, base, args) -> bool:
-    """Whether ``run_dir`` holds this bench's arm, done: evaluated, and run on the same data
-    and tool-call budget (a folder of another bench's settings is run again)."""
-    if not (run_dir / "eval" / "summary.json").is_file():
+def finished(run_dir: Path, want: dict) -> bool:
+    """Whether ``run_dir`` holds this arm, done and evaluated, run by the same code with
+    the same config (``want``: its ``ARM_RECORD``); any other folder is run again."""
+    path = run_dir / ARM_RECORD
+    if not (run_dir / "eval" / "summary.json").is_file() or not path.is_file():
+        if run_dir.exists():
+            print(f"    {run_dir.name}: unfinished, or from before {ARM_RECORD}: run again",
+                  flush=True)
         return False
-    from arpo_async.core.config import load_config
-
-    cfg = load_config(run_dir / "config.yaml", [])
-    same = (cfg.pipeline.data_dir == base.pipeline.data_dir
-            and cfg.run.tool_call_budget == args.tool_calls)
-    if not same:
-        print(f"    {run_dir.name}: run on {cfg.pipeline.data_dir} with "
-              f"{cfg.run.tool_call_budget} tool calls, not this bench's settings: run again",
-              flush=True)
-    return same
+    had = json.loads(path.read_text())
+    for key, what in (("code", "other code"), ("config_sha", "another config")):
+        if had.get(key) != want[key]:
+            print(f"    {run_dir.name}: run by {what} ({had.get(key)}, now {want[key]}): "
+                  "run again", flush=True)
+            return False
+    return True
 
 
 def mean_se(values: list[float]) -> tuple[float, float]:
@@ -196,7 +252,7 @@ FIGURES = ("accuracy", "tool_calls", "rl_wall_s", "executed_per_leaf",
 
 def summarize(rows: list[dict]) -> dict:
     out = {}
-    for arm in ARMS:
+    for arm in KNOWN_ARMS:
         mine = [r for r in rows if r["arm"] == arm]
         if mine:
             out[arm] = {"n": len(mine), **{f: mean_se([r[f] for r in mine]) for f in FIGURES}}
@@ -293,7 +349,9 @@ def run_seed(i: int, seed: int, arms: list[str], base, args, sft: Path, url: str
     alpha = None
     for arm in order:
         run_dir = out / f"{arm}-seed{seed}"
-        if finished(run_dir, base, args):
+        want = {"code": code_version(),
+                "config_sha": config_hash(arm_config(base, arm, seed, args, out, alpha))}
+        if finished(run_dir, want):
             row = row_from_folder(run_dir, arm, seed)
             print(f"[{len(rows) + 1}/{total}] seed {seed} {arm}: finished before, kept",
                   flush=True)

@@ -61,6 +61,22 @@ def test_entropy_reduce_defaults_to_the_authors_sum():
         load_config(SPINE_CONFIG, ["rollout.entropy_reduce=max"])
 
 
+@pytest.mark.parametrize("k", [5, 20])
+def test_reference_estimator_reads_the_authors_top_10_only(k):
+    """The authors' number is a sum over the log-probs vLLM returned at logprobs=10
+    (vllm_rollout_with_tools.py:114); another k is another number, refused at load."""
+    with pytest.raises(ConfigError) as err:
+        load_config(SPINE_CONFIG, ["rollout.entropy_estimator=reference",
+                                   f"sampling.logprobs_topk={k}"])
+    msg = str(err.value)
+    assert "rollout.entropy_estimator=reference" in msg and "sampling.logprobs_topk=10" in msg
+    assert f"got {k}" in msg and "\n" not in msg
+    cfg = load_config(SPINE_CONFIG, ["rollout.entropy_estimator=reference",
+                                     "sampling.logprobs_topk=10"])
+    assert cfg.sampling.logprobs_topk == 10
+    assert load_config(SPINE_CONFIG, ["sampling.logprobs_topk=5"]).sampling.logprobs_topk == 5
+
+
 def test_loss_keys_and_the_loss_settings_agree():
     """learner.loss declares each LossSettings field with the same type and default (and
     a description), so no knob of the loss lacks its key or differs in its default."""

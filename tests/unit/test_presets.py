@@ -47,6 +47,8 @@ def test_preset_carries_the_published_settings(name):
     # rounds bounded by the budget alone
     assert (ro.entropy_estimator, ro.entropy_reduce, s.logprobs_topk) == ("reference", "sum", 10)
     assert (ro.short_round, ro.fork_h_init, s.round_limit) == ("as_is", "own", "budget")
+    # one fresh global sample per round while none is live (the fill loop of the same file)
+    assert ro.fill == "one_per_round"
     # batch 128 prompts, mini-batch 16: eight optimizer steps per rollout batch of 128
     # groups, one epoch, the proximal policy kept from before the first step
     assert (ln.batch_groups, ln.minibatches, ln.ppo_epochs) == (128, 8, 1)
@@ -56,6 +58,7 @@ def test_preset_carries_the_published_settings(name):
     assert not cfg.model.build_if_missing  # never a random tiny model in place of Qwen
     aepo = name.startswith("aepo")
     assert ro.mode == ("aepo" if aepo else "arpo")
+    assert ro.aepo_rule == ("authors" if aepo else "scaled")
     assert (ln.loss.aepo_entropy_clip, ln.loss.aepo_entropy_adv_gamma) == (
         (True, 0.2) if aepo else (False, 0.0))
 

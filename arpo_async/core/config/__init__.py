@@ -100,6 +100,10 @@ class Config(_Section):
         p = self.pipeline
         if p.enabled and p.sft and not (p.sft_time_s or p.sft_steps):
             raise ValueError("pipeline.sft needs pipeline.sft_time_s or pipeline.sft_steps > 0")
+        if ro.entropy_estimator == "reference" and self.sampling.logprobs_topk != 10:
+            raise ValueError("rollout.entropy_estimator=reference is the authors' formula over "
+                             "their top 10 log-probs; it needs sampling.logprobs_topk=10, got "
+                             f"{self.sampling.logprobs_topk}")
         if ro.initial_samples > ro.group_size:
             raise ValueError("rollout.initial_samples must be <= rollout.group_size")
         if self.tools.syntax == "hermes" and self.actors.engine == "simulated":

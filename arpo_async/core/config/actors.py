@@ -112,6 +112,11 @@ class RolloutConfig(_Section):
         "parent", description="a fork's H_init: its parent's (the first round they share, as "
         "the paper defines it) or the entropy of its own first round (the round after the "
         "tool result it resampled, as the authors' code does)")
+    fill: Literal["all", "one_per_round"] = Field(
+        "all", description="when no trajectory of a prompt's group is live and fewer than "
+        "group_size leaves exist: start every missing global sample at once (all), or one "
+        "(one_per_round, the authors' code: one per rollout round, and it may branch before "
+        "the next is started)")
     alpha: float = Field(0.5, description="base branch probability")
     beta: float = Field(0.2, description="branch probability per unit entropy rise")
     threshold_mode: bool = Field(False, description="branch deterministically when P >= threshold")
@@ -126,7 +131,10 @@ class RolloutConfig(_Section):
                                     "(the authors' 0.5)")
     aepo_branch_penalty: float = Field(
         0.05, description="AEPO: P *= 1 - penalty*l after l branches")
-
+    aepo_rule: Literal["scaled", "authors"] = Field(
+        "scaled", description="AEPO's branch rule with f = 1 - aepo_branch_penalty*l: branch "
+        "iff u < clip(alpha + beta*dH) * f (scaled), or iff (u + beta*dH) * f >= alpha (authors: "
+        "their vllm_rollout_with_tools.py; the same chance without penalty when alpha = 0.5)")
 
     @model_validator(mode="after")
     def _reference_sums(self) -> "RolloutConfig":
