@@ -38,6 +38,7 @@ from learner.dist import broadcast, init_distributed, scatter
 from learner.rollout_metrics import rollout_metrics
 from learner.service import LearnerService
 from learner.trainer import PolicyTrainer, split_minibatches
+from learner.trees import TreeSampler
 
 log = logging.getLogger("learner")
 
@@ -120,6 +121,9 @@ class LearnerLoop:
                                      config=cfg.model_dump(mode="json"))
                        if self.rank == 0 else None)
         self.probe = probe_sequence(model_cfg.vocab_size)
+        every = cfg.learner.trees_every  # a sample of the trained groups, for people to see
+        self.trees = (TreeSampler(self.run_dir, every, cfg.learner.loss.advantage, cfg.model.path)
+                      if self.rank == 0 and every else None)
         meta = self.meta or {}
         self.step = self.first_step = meta.get("step", 0)
         self.restarts = meta.get("learner_restarts", 0) + 1 if self.meta else 0
@@ -185,6 +189,8 @@ class LearnerLoop:
         self.tool_calls += sum(g.tool_calls_executed for g in groups)
         if self.service is not None:
             self.service.mark_trained(groups)
+        if self.trees is not None:
+            self.trees.offer(groups, self.step)  # decodes only the groups it keeps
         return metrics
 
     def publish(self, version: int) -> float:

@@ -6,16 +6,17 @@ cd "$(dirname "$0")/.."
 
 # bubblewrap: the Python tool's sandbox; g++: DeepSpeed's CPU op; iproute2, slurm-wlm and
 # munge: the tests that put hosts in network namespaces and run a one-machine Slurm cluster
-# (their packages' daemons are not started here: the tests start their own).
+# (their packages' daemons are not started here: the tests start their own); chromium: the
+# trees page's test loads it in a real headless browser (tests/integration/test_trees_page.py).
 need=""
-for cmd in bwrap g++ ip sbatch slurmctld slurmd munged; do
+for cmd in bwrap g++ ip sbatch slurmctld slurmd munged chromium; do
   command -v "$cmd" >/dev/null 2>&1 || need=1
 done
 if [ -n "$need" ]; then
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq
   $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap g++ iproute2 \
-    slurm-wlm munge >/dev/null
+    slurm-wlm munge chromium >/dev/null
 fi
 
 PY=${PYTHON:-python3}

@@ -124,6 +124,10 @@ class LearnerConfig(_Section):
         "auto", description="tree/flat attention: dense 4D mask (sdpa/eager), tiles (one sdpa "
         "per segment over its ancestors), flex (FlexAttention block mask, GPU), varlen (flat "
         "with flash-attention 2); auto: tiles on CPU, flex or varlen on GPU")
+    trees_every: int = Field(
+        20, ge=0, description="keep every N-th trained group (N in groups; 0: off) as a tree "
+        "file under run_dir/trees, the newest 200 files and 64 MiB at most, for "
+        "`python -m arpo_async.jobs.analyze trees`")
     loss: LossConfig = Field(default_factory=LossConfig)
 
     @model_validator(mode="after")
