@@ -233,7 +233,9 @@ class AgentRollout:
                     group.h_tool.append(h)
                     self._split_budget(prompt, group)
                 else:
-                    forks, _ = planner.after_tool_round(path.tid, h, short)
+                    forks, info = planner.after_tool_round(path.tid, h, short)
+                    group.decisions.append([float(path.tid), float(path.snapshot),
+                                            info["dh"], info["p"], info["forks"]])
                     own = self.settings.fork_h_init == "own"
                     for tid in forks:
                         child = path.fork(tid, own)
@@ -291,6 +293,7 @@ class AgentRollout:
             group_id=new_group_id(actor_id), actor_id=actor_id, prompt_id=prompt.id,
             prompt_tokens=np.asarray(prompt.tokens, np.int32), leaves=leaves,
             mode=self.cfg.rollout.mode, tool_calls_executed=group.executed,
+            decisions=group.decisions,
             stats={**{f"branch/{k}": v for k, v in group.stats().items()},
                    "rollout/context_full": float(sum(p.context_full
                                                      for p in group.paths.values()))})
@@ -319,6 +322,7 @@ class _GroupState:
         self.h_tool: list[float] = []  # the AEPO probe's post-tool entropy
         self.probe_pending = probe  # AEPO: trajectory 0 measures; m is not known yet
         self.m = 0  # AEPO: global samples the probe's measurement asked for
+        self.decisions: list[list[float]] = []  # TrajectoryGroup.decisions
 
     def measuring(self, tid: int) -> bool:
         return self.probe_pending and tid == 0

@@ -124,9 +124,11 @@ def decisions_of(group) -> tuple[list[dict], bool]:
     one per fork point the tree shows (leaf = the parent, at = the branch point)."""
     recorded = getattr(group, "decisions", None)
     if recorded:
+        rows = [d if isinstance(d, dict) else dict(zip(("leaf", "at", "dh", "p", "forks"), d))
+                for d in recorded]  # the protocol's rows, or dicts
         return [{"leaf": int(d["leaf"]), "at": int(d["at"]), "dh": _num(d.get("dh", math.nan)),
                  "p": _num(d.get("p", math.nan)), "forks": int(d.get("forks", 0))}
-                for d in recorded], True
+                for d in rows], True
     forks: dict[tuple[int, int], int] = {}
     for leaf in group.leaves:
         if leaf.parent >= 0:

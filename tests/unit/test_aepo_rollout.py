@@ -96,6 +96,15 @@ async def test_exactly_m_global_samples_then_branching(tiny_model_dir):
     assert s["branch/tool_rounds"] == m - 1 + s["branch/fills"]  # the probe's is no decision
     # a fork reuses its parent's tool result: calls run = global samples, not leaves
     assert tools.calls == group.tool_calls_executed == len(roots)
+    # every decision is on the group for the trees page: one row per decision, placed at
+    # the fork's branch point, its forks those the tree shows
+    assert len(group.decisions) == s["branch/tool_rounds"]
+    placed = {(int(d[0]), int(d[1])): int(d[4]) for d in group.decisions if d[4] > 0}
+    shown: dict[tuple[int, int], int] = {}
+    for i in forks:
+        key = (group.leaves[i].parent, group.leaves[i].branch_point)
+        shown[key] = shown.get(key, 0) + 1
+    assert placed == shown
 
 
 async def test_a_flat_probe_splits_the_budget_in_half(tiny_model_dir, monkeypatch):

@@ -139,6 +139,8 @@ def conforms(value, typ: str) -> bool:
         "list[str]": lambda v: isinstance(v, list) and all(type(x) is str for x in v),
         "list[list[int]]": lambda v: isinstance(v, list) and all(
             isinstance(x, list) and all(type(i) is int for i in x) for x in v),
+        "list[list[float]]": lambda v: isinstance(v, list) and all(
+            isinstance(x, list) and all(type(i) is float for i in x) for x in v),
         "list[Trajectory]": lambda v: isinstance(v, list) and all(
             isinstance(x, P.Trajectory) and all_fields_conform(x) for x in v),
     }
@@ -421,3 +423,16 @@ def test_a_valid_message_of_an_unexpected_shape_of_leaves_is_rejected():
     assert_rejects(repack(frames, lambda h: h["body"]["leaves"][0].update(parent=1)),
                    "bad_field")
     assert_rejects(repack(frames, lambda h: h["body"].pop("group_id")), "missing_field")
+
+
+def test_group_decisions_round_trip_and_are_checked():
+    rows = [[0.0, 5.0, 0.25, 0.55, 1.0], [1.0, 9.0, float("nan"), float("nan"), 0.0]]
+    group = P.TrajectoryGroup("g", 0, "p", np.zeros(1, np.int32), [], decisions=rows)
+    got = P.decode(wire(group)).decisions
+    np.testing.assert_equal(np.array(got), np.array(rows))
+    assert P.decode(wire(P.TrajectoryGroup("g", 0, "p", np.zeros(1, np.int32), []))
+                    ).decisions == []
+    frames = wire(group)
+    for bad in ([["x"]], [[True, 1.0]], [1.0], "rows"):
+        assert_rejects(repack(frames, lambda h, bad=bad: h["body"].update(decisions=bad)),
+                       "bad_field")

@@ -115,6 +115,10 @@ class TrajectoryGroup:
     created_at: float = field(default_factory=time.time)
     sent_at: float = 0.0
     stats: dict[str, float] = field(default_factory=dict)
+    # One row per branch decision: [trajectory id (= its leaf's index), response index
+    # where the decided round starts, dH, P (nan: no decision made), forks created]; for
+    # the trees page (learner/trees.py), not for training.
+    decisions: list[list[float]] = field(default_factory=list)
 
     def min_version(self) -> int:
         versions = [leaf.versions[leaf.loss_mask > 0] for leaf in self.leaves]

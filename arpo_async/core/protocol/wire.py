@@ -166,6 +166,12 @@ def _build(cls: type, body: dict) -> Any:
                 isinstance(v, list) and all(type(x) is int and x >= 0 for x in v) for v in val),
                 "bad_field", f"{f.name}: expected a list of shapes")
             kwargs[f.name] = val
+        elif str(f.type) == "list[list[float]]":
+            val = body[f.name]
+            _check(isinstance(val, list) and all(
+                isinstance(v, list) and all(type(x) in (int, float) for x in v) for v in val),
+                "bad_field", f"{f.name}: expected a list of rows of numbers")
+            kwargs[f.name] = [[float(x) for x in v] for v in val]
         elif str(f.type) == "dict[str, float]":
             val = body[f.name]
             _check(isinstance(val, dict) and all(isinstance(k, str) for k in val),
