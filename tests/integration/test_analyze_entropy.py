@@ -1,7 +1,8 @@
 """``python -m arpo_async.jobs.analyze entropy`` end to end: the real rollout (transformers
 engine, the sandboxed Python tool) on the benchmarks' tool-calling model, the exact
-entropy from a learner-side forward, the null test of every estimator, both output
-files."""
+entropy from a learner-side forward, the null test of every estimator (windows resampled
+at each decision's prefix by the same engine, scored by the same forward), both output
+files. Its calibration on a known law is tests/unit/test_null_calibration.py."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def test_entropy_analysis_writes_its_files(tmp_path):
     out = tmp_path / "analysis"
     res = subprocess.run(
         [PY, "-m", "arpo_async.jobs.analyze", "entropy", "--model", str(model), "--data", str(data),
-         "--out", str(out), "--limit", "4", "--k", "2", "--config", "configs/spine.yaml",
+         "--out", str(out), "--limit", "4", "--k", "2", "--resample", "3",
+         "--config", "configs/spine.yaml",
          "actors.engine=transformers", "sampling.max_new_tokens=24",
          "sampling.max_response_tokens=160", "rollout.tool_call_limit=3",
          "tools.enabled=[python]"],
@@ -44,14 +46,22 @@ def test_entropy_analysis_writes_its_files(tmp_path):
     est = result["estimate"]
     assert est["sum"]["decisions"] > 0 and est["sum"]["dh_mae"] >= 0
     null = result["null_test"]
+    assert result["resampled_windows"] == 3
     assert {"reference", "tail_corrected", "exact", "exact+scale", "reference+skip"} <= set(null)
     for row in null.values():
-        # 2 samples per prompt: each real decision has one null twin (the other sample)
-        assert row["null"]["n"] == row["real"]["n"]
+        # every real decision has its resampled windows (unusable: fewer than 2 of them)
+        assert row["decisions"] + row["decisions_unusable"] == row["real"]["n"]
         assert 0.0 <= row["real"].get("outside_band", 0.0) <= 1.0
     ref = null["reference"]
     assert ref["real"]["n"] == est["sum"]["decisions"] > 0
-    assert ref["signal_to_noise"] == ref["real"]["dh_var"] / ref["null"]["dh_var"]
-    assert null["exact"]["real"]["n"] == ref["real"]["n"] and "null test: reference" in res.stdout
+    assert ref["decisions"] >= 2 and ref["post_var_mean"] > 0
+    assert ref["signal_to_noise_post_only"] == pytest.approx(
+        ref["dh_var"] / ref["post_var_mean"])
+    if ref["init_var"] is not None:  # two trajectories of a prompt made decisions
+        assert ref["signal_to_noise"] == pytest.approx(
+            ref["dh_var"] / (ref["post_var_mean"] + ref["init_var"]))
+        assert ref["signal_to_noise"] <= ref["signal_to_noise_post_only"]
+    assert null["exact"]["real"]["n"] == ref["real"]["n"]
+    assert "null test (3 windows resampled at each decision's prefix" in res.stdout
     assert (out / "entropy_by_position.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert result["finding"] in res.stdout

@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # every other heavy third-party package a pure module might slip in.
 PURE = ["arpo_async.core.entropy", "arpo_async.core.loss_settings", "arpo_async.core.host",
         "actors.branching", "learner.advantages", "learner.losses", "learner.rollout_metrics",
-        "arpo_async.core.staleness", "toolenv.tags", "arpo_async.core.protocol.messages"]
+        "arpo_async.core.staleness", "toolenv.tags", "arpo_async.core.protocol.messages",
+        "arpo_async.jobs.null_stats", "arpo_async.jobs.premise_stats"]
 PURE_BLOCKED = ["vllm", "deepspeed", "zmq", "transformers", "msgpack", "pydantic", "yaml",
                 "aiohttp", "diskcache", "safetensors"]
 # protocol may use msgpack (its wire format) but never the transport or engines.
