@@ -16,18 +16,23 @@ It also scores the rollout's own estimate: the tail-corrected top-``sampling.log
 entropy against the exact one, as the error on the round entropy H and on dH = H_t - H_init
 with ``rollout.entropy_reduce``.
 
-**The null test** (``null_test``), for each estimator of ``rollout.entropy_estimator``
-(the authors' ``reference`` at their top 10, ``tail_corrected`` at the run's top k,
-``exact``) and each ``rollout.short_round`` rule: the branch decisions the samples hold
-(dH = H of a round after a tool result - H of the trajectory's first round), against null
-decisions where the "after" window is sampled again from the same position as the
-"before" one, with no tool result in between: for each real decision of sample i with an
-n-token post-tool round, the first round of every other sample j of the prompt cut to n
-tokens (dH = H_first(j)[:n] - H_first(i)), so that null and real compare windows of the
-same lengths (a short round's sum is lower by its length alone). For both it reports the
-share of P = alpha + beta * dH (the run's alpha, beta) outside [0.45, 0.55] and the
-variance of dH; signal/noise is var(dH real) / var(dH null). Near 1: the branching
-signal is mostly sampling noise.
+**The null test** (``null_test``, arpo_async/jobs/analyze_null.py and null_stats.py):
+each branch decision the samples hold (dH = H of a round after a tool result - H of the
+trajectory's first round) against its own noise. The engine samples the decision's k-token
+window ``--resample`` times (default 8) again at the decision's prefix (the same tokens up
+to and including the tool result), with the rollout's stops and round limit; every
+window is scored by the same forward pass. For each estimator of
+``rollout.entropy_estimator`` (the authors' ``reference`` at their top 10,
+``tail_corrected`` at the run's top k, ``exact``) and each ``rollout.short_round`` rule it
+reports the real decisions (dH, the share of P = alpha + beta * dH outside [0.45, 0.55]),
+signal/noise = var(dH) / (mean var(H_post | prefix) + var(H_init | prompt), the latter
+pooled over the prompt's trajectories that made a decision: ``--k`` 2 or more), 1 when
+the decisions are sampling noise only, the same over the post-tool window's noise alone
+(``signal_to_noise_post_only``), each with a 90% bootstrap interval over prompts, and the
+std of P that resampling alone gives at a fixed state (``p_noise_std``). It replaces a null
+of other samples' first rounds, which read S/N 29 where the decision's own resampling
+reads 3.4 (issue 29). Costs a generation and a forward pass per window (R per decision) on
+top of one forward pass per trajectory.
 
 Writes ``RUN_DIR/analysis/entropy.json`` (keys ``before_tool``, ``after_tool``,
 ``first_round``, ``n_tool_calls``, ``by_round``, ``by_tool``, ``estimate``, ``null_test``,
@@ -47,29 +52,25 @@ from pathlib import Path
 
 import numpy as np
 
-from actors.branching import P_BAND
 from actors.engines import build_engine
 from arpo_async.core.config import Config, ConfigError, load_config
 from arpo_async.core.files import atomic_write_json
 from arpo_async.core.rundir import latest_checkpoint
+from arpo_async.jobs.analyze_null import (
+    AUTHORS_TOPK,
+    null_line,
+    null_test,
+    resample_windows,
+    rounds_of,
+    window_request,
+    windows_of,
+)
 from arpo_async.jobs.evaluate import eval_config
 from toolenv.retriever_server import RetrieverProcess
 from toolenv.runner import build_tools
 from toolenv.tasks.data import DataError
 from toolenv.tasks.prompts import PromptSource
 from toolenv.tasks.suite import SYSTEM_PROMPT, suite_noise
-
-
-def rounds_of(mask: np.ndarray) -> list[tuple[int, int]]:
-    """(start, end) of each run of model tokens (mask 1) in a response, in order."""
-    out, start = [], None
-    for i, m in enumerate(list(mask) + [0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            out.append((start, i))
-            start = None
-    return out
 
 
 def position_profile(leaves: list[dict], k: int) -> dict:
@@ -139,9 +140,11 @@ def finding(profile: dict) -> str:
 
 
 async def sample_leaves(cfg: Config, data: Path, limit: int, k: int, corpus: Path | None,
-                        log=print) -> list[dict]:
+                        log=print, resample: int = 0) -> list[dict]:
     """Trajectories of ``limit`` prompts x ``k`` samples through the real rollout, as
-    records: prompt ids, response ids, loss mask and the tool each round called."""
+    records: prompt ids, response ids, loss mask and the tool each round called; with
+    ``resample`` R, each decision's and each prompt's window resampled R times by the same
+    engine (``analyze_null.resample_windows``), before the engine is closed."""
     from transformers import AutoTokenizer
 
     from actors.agent_rollout import AgentRollout  # it imports torch: not for --help
@@ -161,20 +164,25 @@ async def sample_leaves(cfg: Config, data: Path, limit: int, k: int, corpus: Pat
         try:
             rollout = AgentRollout(cfg, engine, source, tok, tools, np.random.default_rng(0))
             groups = await asyncio.gather(*(rollout.run(p, 0) for p in prompts))
+            out = []
+            for p, g in zip(prompts, groups):
+                for leaf in g.leaves:
+                    names = []
+                    for s, e in rounds_of(leaf.loss_mask):
+                        call = source.syntax.find_call(  # tools.syntax: arpo or hermes
+                            tok.decode(leaf.tokens[s:e], skip_special_tokens=False))
+                        names.append(call.name if call else None)
+                    out.append({"prompt": list(p.tokens), "tokens": leaf.tokens,
+                                "mask": leaf.loss_mask, "tools": names})
+            log(f"[analyze] sampled {len(out)} trajectories of {len(prompts)} prompts")
+            if resample:
+                n = await resample_windows(
+                    engine, out, resample, cfg.rollout.entropy_window,
+                    window_request(cfg, rollout.stop_ids, rollout.stop_strings), cfg.run.seed)
+                log(f"[analyze] resampled {n} windows for the null test")
         finally:
             await engine.close()
             await tools.close()
-    out = []
-    for p, g in zip(prompts, groups):
-        for leaf in g.leaves:
-            names = []
-            for s, e in rounds_of(leaf.loss_mask):
-                call = source.syntax.find_call(  # tools.syntax: arpo tags or hermes JSON
-                    tok.decode(leaf.tokens[s:e], skip_special_tokens=False))
-                names.append(call.name if call else None)
-            out.append({"prompt": list(p.tokens), "tokens": leaf.tokens, "mask": leaf.loss_mask,
-                        "tools": names})
-    log(f"[analyze] sampled {len(out)} trajectories of {len(prompts)} prompts")
     return out
 
 
@@ -224,103 +232,6 @@ def estimate_error(leaves: list[dict], k: int, reduce: str) -> dict:
             err_dh.append(abs((a - h[0][0]) - (b - h[0][1])))
     return {"reduce": reduce, "window": k, "h_mae": _mean(err_h), "dh_mae": _mean(err_dh),
             "dh_exact_mean_abs": _mean([abs(x) for x in dh_exact]), "decisions": len(err_dh)}
-
-
-AUTHORS_TOPK = 10  # the reference code's logprobs=10 (vllm_rollout_with_tools.py)
-
-
-def _round_values(leaf: dict, start: int, end: int, estimator: str, topk: int, vocab: int,
-                  window: int, short_round: str) -> float:
-    from arpo_async.core.entropy import round_entropy
-
-    k = AUTHORS_TOPK if estimator == "reference" else topk
-    top = [list(row[:k]) for row in leaf["top"][start:end]]
-    return round_entropy(top, list(leaf["sampled"][start:end]), list(leaf["nats"][start:end]),
-                         estimator=estimator, vocab_size=vocab, window=window,
-                         short_round=short_round)
-
-
-def _decisions(dh: list[float], alpha: float, beta: float) -> dict:
-    dh_a = np.asarray(dh, dtype=np.float64)
-    if not dh_a.size:
-        return {"n": 0}
-    p = np.clip(alpha + beta * dh_a, 0.0, 1.0)
-    return {"n": int(dh_a.size), "dh_mean": float(dh_a.mean()), "dh_var": float(dh_a.var()),
-            "p_std": float(p.std()), "outside_band": float(np.mean(np.abs(p - 0.5) > P_BAND))}
-
-
-def _by_prompt(leaves: list[dict]) -> list[list[dict]]:
-    """Records grouped by prompt (a prompt's samples are consecutive), each with rounds."""
-    groups: list[list[dict]] = []
-    for leaf in leaves:
-        rounds = rounds_of(leaf["mask"])
-        if not rounds:
-            continue
-        if not groups or groups[-1][0]["prompt"] != leaf["prompt"]:
-            groups.append([])
-        groups[-1].append({**leaf, "rounds": rounds})
-    return groups
-
-
-def _pairs(group: list[dict], est: str, rule: str, topk: int, vocab: int, window: int
-           ) -> tuple[list[float], list[float]]:
-    """(real dH, null dH) of one prompt's samples. Each real decision (a round after a tool
-    result, n tokens long, minus the sample's first round) has a null twin per other sample:
-    that sample's first round cut to the same n tokens, minus the same first round; so both
-    compare windows of the same lengths, with or without a tool result in between."""
-    def h(leaf, start, end):
-        return _round_values(leaf, start, end, est, topk, vocab, window, rule)
-
-    real, null = [], []
-    for i, leaf in enumerate(group):
-        (s0, e0), *after = leaf["rounds"]
-        if rule == "skip" and e0 - s0 < window:
-            continue
-        h_init = h(leaf, s0, e0)
-        for s, e in after:
-            n = e - s
-            if rule == "skip" and n < window:
-                continue
-            real.append(h(leaf, s, e) - h_init)
-            for j, other in enumerate(group):
-                if j != i:
-                    o0 = other["rounds"][0][0]
-                    null.append(h(other, o0, min(o0 + n, other["rounds"][0][1])) - h_init)
-    return real, null
-
-
-def null_test(leaves: list[dict], window: int, topk: int, vocab: int, alpha: float,
-              beta: float) -> dict:
-    """Real against null branch decisions for each estimator and short-round rule (module
-    docstring). Leaves of one prompt are consecutive records with the same ``prompt``."""
-    out, groups = {}, _by_prompt(leaves)
-    for est in ("reference", "tail_corrected", "exact"):
-        for rule in ("as_is", "scale", "skip"):
-            real, null = [], []
-            for group in groups:
-                r, n = _pairs(group, est, rule, topk, vocab, window)
-                real += r
-                null += n
-            row = {"real": _decisions(real, alpha, beta), "null": _decisions(null, alpha, beta)}
-            var_null = row["null"].get("dh_var")
-            # a variance needs two decisions on each side (skip may leave fewer)
-            row["signal_to_noise"] = (row["real"]["dh_var"] / var_null if var_null and
-                                      row["real"]["n"] >= 2 and row["null"]["n"] >= 2
-                                      else None)
-            out[est if rule == "as_is" else f"{est}+{rule}"] = row
-    return out
-
-
-def null_line(null: dict) -> str:
-    """One line per estimator (short rounds as they are): outside-band shares and S/N."""
-    parts = []
-    for est in ("reference", "tail_corrected", "exact"):
-        row = null.get(est, {})
-        if row.get("signal_to_noise") is None:
-            continue
-        parts.append(f"{est}: outside band {row['real']['outside_band']:.0%} real vs "
-                     f"{row['null']['outside_band']:.0%} null, S/N {row['signal_to_noise']:.2f}")
-    return "null test: " + ("; ".join(parts) if parts else "no decisions to compare")
 
 
 def plot(profile: dict, path: Path, k: int) -> Path:
@@ -380,13 +291,15 @@ def _inputs(args) -> tuple[Config, Path, Path | None, Path]:
 
 
 def entropy_analysis(cfg: Config, data: Path, corpus: Path | None, out: Path, limit: int,
-                     k_samples: int) -> dict:
+                     k_samples: int, resample: int = 8) -> dict:
     k = cfg.rollout.entropy_window
-    leaves = asyncio.run(sample_leaves(cfg, data, limit, k_samples, corpus))
-    score_entropies(cfg.model.path, leaves, cfg.sampling.temperature, cfg.sampling.logprobs_topk)
+    leaves = asyncio.run(sample_leaves(cfg, data, limit, k_samples, corpus, resample=resample))
+    # the resampled windows are scored by the same forward pass as the trajectories
+    score_entropies(cfg.model.path, leaves + windows_of(leaves), cfg.sampling.temperature,
+                    cfg.sampling.logprobs_topk)
     profile = position_profile(leaves, k)
     result = {"model": cfg.model.path, "data": str(data), "prompts": limit,
-              "samples_per_prompt": k_samples, "window": k,
+              "samples_per_prompt": k_samples, "window": k, "resampled_windows": resample,
               "temperature": cfg.sampling.temperature, **profile,
               "estimate": {
                   "kind": f"tail-corrected top-{cfg.sampling.logprobs_topk}",
@@ -395,7 +308,7 @@ def entropy_analysis(cfg: Config, data: Path, corpus: Path | None, out: Path, li
                   **{r: estimate_error(leaves, k, r) for r in ("sum", "mean")}},
               "null_test": null_test(leaves, k, cfg.sampling.logprobs_topk, vocab_of(cfg),
                                      cfg.rollout.alpha, cfg.rollout.beta)}
-    result["finding"] = finding(profile) + "\n" + null_line(result["null_test"])
+    result["finding"] = finding(profile) + "\n" + null_line(result["null_test"], resample)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "entropy.json", result)
     plot(profile, out / "entropy_by_position.png", k)
@@ -416,14 +329,31 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--out", help="output folder (default RUN_DIR/analysis)")
     e.add_argument("--limit", type=int, default=48, help="prompts sampled")
     e.add_argument("--k", type=int, default=2, help="samples per prompt")
+    e.add_argument("--resample", type=int, default=8, help="windows resampled at each "
+                   "decision's prefix for the null test (at least 2)")
     e.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    t = sub.add_parser("trees", help="the learner's kept groups as one HTML page "
+                       "(arpo_async/jobs/trees_page.py)")
+    t.add_argument("run_dir", help="a run folder with trees/ (learner.trees_every)")
+    t.add_argument("--out", help="the page (default RUN_DIR/analysis/trees.html)")
+    from arpo_async.jobs.analyze_branching import add_parser, run_command  # outcome test
+
+    add_parser(sub)
     args = ap.parse_args(argv)
+    if args.what == "trees":
+        from arpo_async.jobs.trees_page import cli  # the page alone: no model, no engine
+
+        return cli(args.run_dir, args.out)
     if args.run_dir and "=" in args.run_dir:  # no RUN_DIR: the first word is an override
         args.overrides.insert(0, args.run_dir)
         args.run_dir = None
+    if args.what == "branching":
+        return run_command(args, _inputs)
     try:
         cfg, data, corpus, out = _inputs(args)
-        result = entropy_analysis(cfg, data, corpus, out, args.limit, args.k)
+        if args.resample < 2:
+            raise ConfigError("--resample: at least 2 windows (a variance needs two)")
+        result = entropy_analysis(cfg, data, corpus, out, args.limit, args.k, args.resample)
     except (ConfigError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

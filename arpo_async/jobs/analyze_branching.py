@@ -1,0 +1,334 @@
+"""ARPO's premise, tested on outcomes: do forks placed by entropy land where another
+continuation ends differently?
+
+``python -m arpo_async.jobs.analyze branching RUN_DIR`` (or ``--model DIR --data FILE
+[--corpus FILE]``, inputs as ``analyze entropy`` resolves them). For each of ``--limit``
+prompts the real rollout (the run's engine, tools, estimator, window, alpha and beta; a
+local retriever over the suite's corpus) samples K global samples (``--k``, GRPO). At
+every branch decision of the first ``--roots`` of them, i.e. every round that follows a
+tool result, the rollout's own fork mechanics (``_Path.fork``: the tokens up to and
+including the result, a copy of the tool state) start K continuations that run to the end
+with the real tools and are scored by the task's reward. Per state: dH and
+P = clip(alpha + beta * dH, 0, 1) exactly as the rollout computed them for the sampled
+trajectory (a ``short_round=skip`` state gets P = 0: no fork), the reward discordance D of
+its K continuations, the tool called and the result's kind (``result_kind``). The math
+(discordance, the useful-fork ratio, fork_vs_global, the bootstrap over prompts,
+correlations) is ``arpo_async/jobs/premise_stats.py``.
+
+Deliberate simplifications: forks are made only from the sampled trajectories (a fork's
+own later states are not probed); in AEPO runs the consecutive-branch penalty is left out
+(P is ARPO's); D is measured among the K continuations, not against the sampled
+trajectory's own continuation (whose first round set P).
+
+Resumable: each finished prompt is one line of ``OUT/branching_prompts.jsonl`` (after a
+header with the settings); a rerun with the same settings skips those prompts, another
+setting starts the file again. Writes ``OUT/branching.json`` and prints one line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from actors.branching import BranchPlanner
+from arpo_async.core.config import Config, ConfigError
+from arpo_async.core.files import atomic_write_json
+from arpo_async.jobs.premise_stats import correlation_by, discordance, pearson, premise_figures
+from toolenv.tasks.data import DataError
+
+PROMPTS_FILE = "branching_prompts.jsonl"
+_ENTITY = re.compile(r"((?:[A-Z][\w'-]*\s+)*[A-Z][\w'-]*)\W*$")  # a query's trailing name
+
+
+def result_kind(tool: str | None, args: str, ok: bool | None, text: str) -> str:
+    """What a tool result was: ``error`` (the call failed: an exception, a timeout, a bad
+    call); for search, ``asked_entity`` when the result names the entity the query ends
+    with (its trailing capitalised words, as the suite's queries do), ``other_entity``
+    when it does not, ``no_entity`` for a query without one; else ``ok``."""
+    if ok is None:
+        return "unknown"
+    if not ok:
+        return "error"
+    if tool == "search":
+        m = _ENTITY.search(args.strip())
+        if not m:
+            return "no_entity"
+        return "asked_entity" if m.group(1).lower() in text.lower() else "other_entity"
+    return "ok"
+
+
+class ProbePlanner(BranchPlanner):
+    """GRPO sampling of the roots (settings with ``branching=False``), plus ``forks``
+    forks at every decision of the first ``probed`` roots, whatever P says; the decision
+    metrics (P, dH as the rollout computed them) are kept in ``decisions``."""
+
+    def __init__(self, settings, rng: np.random.Generator, forks: int, probed: int):
+        if settings.branching:
+            raise ValueError("ProbePlanner needs GRPO settings: it places the forks itself")
+        super().__init__(settings, rng)
+        self.forks, self.probed = forks, probed
+        self.decisions: list[dict] = []
+
+    def fill_count(self) -> int:
+        return 0  # the roots are all the global samples; forks never count against them
+
+    def after_tool_round(self, traj_id: int, h_t: float, short: bool = False
+                         ) -> tuple[list[int], dict[str, float]]:
+        forks, metrics = super().after_tool_round(traj_id, h_t, short)
+        if self.parent_of(traj_id) != -1 or traj_id >= self.probed:
+            return forks, metrics
+        inherited = self.h_init_of(traj_id) if self.settings.fork_h_init == "parent" else None
+        ids = [self._create(traj_id, inherited, 0) for _ in range(self.forks)]
+        self.decisions.append({"root": traj_id, **metrics, "forks": ids})
+        return ids, metrics
+
+
+class _Recorder:
+    """The tool runner, keeping each task's last result (the rollout does not return it)."""
+
+    def __init__(self, tools):
+        self.inner, self.last = tools, {}
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def call(self, name, args, **kwargs):
+        result = await self.inner.call(name, args, **kwargs)
+        self.last[asyncio.current_task()] = result
+        return result
+
+    def reject(self, name, message):
+        result = self.inner.reject(name, message)
+        self.last[asyncio.current_task()] = result
+        return result
+
+
+def probe_rollout(cfg: Config, engine, source, tokenizer, tools, rng, forks: int, probed: int):
+    """An ``AgentRollout`` that runs one prompt with a ``ProbePlanner`` (``probe``) and
+    logs each tool call's result by (trajectory, length after the result)."""
+    from actors.agent_rollout import AgentRollout, _GroupState, _Path  # torch: not for --help
+
+    class ProbeRollout(AgentRollout):
+        async def _tool(self, path, call) -> None:
+            await super()._tool(path, call)
+            res = self.tools.last.pop(asyncio.current_task(), None)
+            self.tool_log[(path.tid, len(path.tokens))] = (
+                call.name, call.args, result_kind(call.name, call.args, res and res.ok,
+                                                  res.text if res else ""))
+
+        async def probe(self, prompt) -> tuple[list, list[dict]]:
+            """(leaves by trajectory id, the probed decisions)."""
+            self.tool_log = {}
+            planner = ProbePlanner(self.settings, self.rng, forks, probed)
+            group = _GroupState(planner, self.occupancy)
+            for tid in planner.start():
+                group.spawn(self._drive(prompt, _Path(tid), group))
+            await group.wait()
+            return ([self._leaf(prompt, group.paths[t], planner.parent_of(t))
+                     for t in sorted(group.paths)], planner.decisions)
+
+    return ProbeRollout(cfg, engine, source, tokenizer, _Recorder(tools), rng)
+
+
+def prompt_record(index: int, prompt_id, leaves: list, decisions: list[dict],
+                  tool_log: dict) -> dict:
+    """One prompt's line: the roots' rewards (global samples) and each probed state."""
+    states = []
+    for d in decisions:
+        forks = [leaves[i] for i in d["forks"]]
+        pos = int(forks[0].branch_point)
+        tool, args, kind = tool_log.get((d["root"], pos), (None, "", "unknown"))
+        skipped = bool(d.get("skipped_short", 0.0))
+        known = math.isfinite(d["h_t"]) and math.isfinite(d["h_init"])  # else P used dH = 0
+        states.append({"root": d["root"], "position": pos, "tool": tool, "args": args,
+                       "kind": kind, "p": 0.0 if skipped else d["p"],
+                       "dh": d["dh"] if known and not skipped else math.nan, "h_t": d["h_t"],
+                       "h_init": d["h_init"], "skipped_short": skipped,
+                       "rewards": [float(f.reward) for f in forks],
+                       "root_reward": float(leaves[d["root"]].reward)})
+    return {"index": index, "prompt_id": str(prompt_id),
+            "global": [float(x.reward) for x in leaves if x.parent == -1], "states": states}
+
+
+async def probe_prompts(cfg: Config, engine, source, tokenizer, tools, prompts: list, k: int,
+                        roots: int, seed: int, resume: Path | None = None,
+                        settings: dict | None = None, concurrency: int = 8,
+                        log=print) -> list[dict]:
+    """Records of ``prompts`` (index = position in the list); with ``resume``, prompts
+    already in that JSONL under the same ``settings`` are read back, new ones appended.
+    Prompt i's rollout draws from ``default_rng([seed, i])``, so a prompt does not depend
+    on the others or on a resume; within a prompt, tool latencies order the draws of its
+    concurrent trajectories (an instant tool, as in the tests, makes reruns identical)."""
+    done = _read_done(resume, settings) if resume else {}
+    slots = asyncio.Semaphore(concurrency)
+    out = dict(done)
+
+    async def one(i: int, prompt) -> None:
+        async with slots:
+            rollout = probe_rollout(cfg, engine, source, tokenizer, tools,
+                                    np.random.default_rng([seed, i]), k, roots)
+            leaves, decisions = await rollout.probe(prompt)
+        out[i] = prompt_record(i, prompt.id, leaves, decisions, rollout.tool_log)
+        if resume:
+            with resume.open("a") as fh:
+                fh.write(json.dumps(out[i]) + "\n")
+        log(f"[branching] prompt {i}: {len(decisions)} states ({len(out)}/{len(prompts)})")
+
+    await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts) if i not in done))
+    return [out[i] for i in sorted(out) if i < len(prompts)]
+
+
+def _read_done(path: Path, settings: dict | None) -> dict[int, dict]:
+    """Prompts finished under ``settings``; otherwise the file starts again."""
+    header = {"settings": settings}
+    if path.is_file():
+        text = path.read_text()
+        lines = text.splitlines()
+        if lines and _parse(lines[0]) == json.loads(json.dumps(header)):
+            recs = [r for r in map(_parse, lines[1:]) if r]  # a line cut by a kill: redone
+            if not text.endswith("\n"):
+                with path.open("a") as fh:
+                    fh.write("\n")  # the next record starts on a line of its own
+            return {r["index"]: r for r in recs}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(header) + "\n")
+    return {}
+
+
+def _parse(line: str) -> dict | None:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return None
+
+
+def summarize(records: list[dict], seed: int = 0, n_boot: int = 2000, level: float = 0.9
+              ) -> dict:
+    """The premise figures (``premise_stats``) and correlations by tool and result kind."""
+    clusters, rows = [], []
+    for rec in sorted(records, key=lambda r: r["index"]):
+        g, _ = discordance(rec["global"])
+        d = [discordance(s["rewards"])[0] for s in rec["states"]]
+        clusters.append(([s["p"] for s in rec["states"]], d, g))
+        rows += [{**s, "d": dv} for s, dv in zip(rec["states"], d)]
+    figures, metrics = premise_figures(clusters, np.random.default_rng([seed, 29]), n_boot,
+                                       level)
+    dh, d = [r["dh"] for r in rows], [r["d"] for r in rows]
+    by_tool, _ = correlation_by([str(r["tool"]) for r in rows], dh, d)
+    by_kind, _ = correlation_by([f"{r['tool']}:{r['kind']}" for r in rows], dh, d)
+    for table, key in ((by_tool, lambda r: str(r["tool"])),
+                       (by_kind, lambda r: f"{r['tool']}:{r['kind']}")):
+        for name, cell in table.items():
+            mine = [r for r in rows if key(r) == name]
+            cell.update(p_mean=_mean([r["p"] for r in mine]), d_mean=_mean([r["d"] for r in mine]),
+                        dh_mean=_mean([r["dh"] for r in mine]))
+    r_all, m_all = pearson(dh, d)
+    return {**figures, **metrics, "corr_dh_d": r_all, "corr_n": m_all["n"],
+            "corr_by_tool": by_tool, "corr_by_kind": by_kind,
+            "skipped_short": sum(r["skipped_short"] for r in rows)}
+
+
+def _mean(values: list[float]) -> float:
+    v = [x for x in values if x is not None and math.isfinite(x)]
+    return float(np.mean(v)) if v else math.nan
+
+
+def finding(res: dict) -> str:
+    return (f"useful-fork ratio {res['useful_fork_ratio']:.3f} (90% CI {res['ci_low']:.3f}-"
+            f"{res['ci_high']:.3f}) over {res['states']} post-tool states of {res['prompts']} "
+            f"prompts; fork_vs_global {res['fork_vs_global']:.3f}; corr(dH, D) "
+            f"{res['corr_dh_d']:.3f}; mean P {res['p_mean']:.3f}, mean D {res['d_mean']:.3f}")
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def branching_analysis(cfg: Config, data: Path, corpus: Path | None, out: Path, limit: int,
+                       k: int, roots: int, seed: int = 0, n_boot: int = 2000,
+                       log=print) -> dict:
+    """The whole test on ``cfg.model.path``: sample, complete, score, summarise, write."""
+    from transformers import AutoTokenizer  # heavy: not for --help
+
+    from actors.engines import build_engine
+    from arpo_async.jobs.evaluate import eval_config
+    from toolenv.retriever_server import RetrieverProcess
+    from toolenv.runner import build_tools
+    from toolenv.tasks.prompts import PromptSource
+    from toolenv.tasks.suite import SYSTEM_PROMPT, suite_noise
+
+    if k < 2 or not 1 <= roots <= k:
+        raise ConfigError(f"--k must be >= 2 and --roots in [1, k]; got k={k}, roots={roots}")
+    r = cfg.rollout
+    settings = {"model": cfg.model.path, "data": str(data), "k": k, "roots": roots,
+                "seed": seed, "alpha": r.alpha, "beta": r.beta, "estimator": r.entropy_estimator,
+                "window": r.entropy_window, "reduce": r.entropy_reduce,
+                "short_round": r.short_round, "temperature": cfg.sampling.temperature}
+    with contextlib.ExitStack() as stack:
+        url = (stack.enter_context(RetrieverProcess(corpus, **suite_noise(corpus))).url
+               if corpus else "")
+        cfg = eval_config(cfg, data, k, retriever_url=url)
+        tok = AutoTokenizer.from_pretrained(cfg.model.path)
+        source = PromptSource(cfg, tok)
+        prompts = source.items[:limit]
+        for p in prompts:
+            p.system_prompt = p.system_prompt or SYSTEM_PROMPT
+            source.encode(p)
+        tools = build_tools(cfg.tools, Path(cfg.run.dir))
+        records = asyncio.run(_run(cfg, build_engine, source, tok, tools, prompts, k, roots,
+                                   seed, out / PROMPTS_FILE, settings, log))
+    result = {"settings": settings, **summarize(records, seed, n_boot)}
+    result["finding"] = finding(result)
+    atomic_write_json(out / "branching.json", result)
+    return result
+
+
+async def _run(cfg, build_engine, source, tok, tools, prompts, k, roots, seed, resume,
+               settings, log) -> list[dict]:
+    try:
+        engine = await build_engine(cfg, cfg.model.path)
+        try:
+            return await probe_prompts(cfg, engine, source, tok, tools, prompts, k, roots,
+                                       seed, resume, settings, log=log)
+        finally:
+            await engine.close()
+    finally:
+        await tools.close()
+
+
+def add_parser(sub) -> None:
+    """The ``branching`` subcommand of ``python -m arpo_async.jobs.analyze``."""
+    b = sub.add_parser("branching", help="outcome test: do entropy-placed forks change rewards?")
+    b.add_argument("run_dir", nargs="?", help="a run folder: its newest checkpoint, held-out "
+                   "prompts and corpus")
+    b.add_argument("--model", help="model folder (default: the run's newest checkpoint)")
+    b.add_argument("--data", help="prompts (JSONL/parquet; default: the suite's heldout.jsonl)")
+    b.add_argument("--corpus", help="JSONL corpus for a local retriever (search)")
+    b.add_argument("--config", help="YAML config without RUN_DIR (default configs/default.yaml)")
+    b.add_argument("--out", help="output folder (default RUN_DIR/analysis)")
+    b.add_argument("--limit", type=int, default=64, help="prompts")
+    b.add_argument("--k", type=int, default=8, help="global samples per prompt and "
+                   "continuations per post-tool state")
+    b.add_argument("--roots", type=int, help="global samples whose states are probed (default K)")
+    b.add_argument("--seed", type=int, default=0, help="sampling and bootstrap seed")
+    b.add_argument("--boot", type=int, default=2000, help="bootstrap resamples")
+    b.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+
+
+def run_command(args, inputs) -> int:
+    """Run the parsed ``branching`` command; ``inputs`` resolves (cfg, data, corpus, out)."""
+    try:
+        cfg, data, corpus, out = inputs(args)
+        res = branching_analysis(cfg, data, corpus, out, args.limit, args.k,
+                                 args.roots or args.k, args.seed, args.boot)
+    except (ConfigError, DataError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {out / 'branching.json'}: {res['finding']}")
+    return 0

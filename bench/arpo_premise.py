@@ -1,0 +1,96 @@
+"""ARPO's premise on a run's SFT model: do forks placed by entropy land where another
+continuation ends differently? (issue 29, item 2)
+
+Runs the outcome test of ``python -m arpo_async.jobs.analyze branching``
+(arpo_async/jobs/analyze_branching.py, math in arpo_async/jobs/premise_stats.py) on the
+SFT model of a finished default job: ``--prompts`` held-out prompts x ``--k`` global
+samples through the real rollout (the run's engine, tools, estimator, alpha, beta; a local
+retriever over the suite's corpus), and at every post-tool state of the first ``--roots``
+samples, K continuations completed to the end with the real fork mechanics and tools,
+each scored by the task's reward. Figures:
+
+* **useful_fork_ratio** = (sum P D / sum P) / mean D over post-tool states (P the run's
+  branch probability, D the share of continuation pairs whose rewards differ), with its
+  90% bootstrap interval over prompts (ci_low, ci_high): above 1, entropy places forks
+  where outcomes split more often than chance placement at the same rate would;
+* **fork_vs_global**: mean D after tool results / D of the K fresh samples of the same
+  prompt;
+* corr(dH, D) overall, by tool and by tool-result kind (in the JSON).
+
+Target: ci_low > 1. Resumable: finished prompts are lines of
+``OUT/branching_prompts.jsonl`` (default OUT = RUN/analysis), read back on a rerun with
+the same settings. The last line is ``RESULT arpo_premise useful_fork_ratio=<x>
+ci_low=<l> ci_high=<h> fork_vs_global=<y> task=<name> target=ci_low>1 met|missed``.
+
+    python bench/arpo_premise.py RUN_DIR [--prompts 64] [--k 8] [--roots K] [--model DIR]
+        [--seed 0] [--boot 2000] [--out DIR] [--results FILE] [key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import RESULTS, write_results  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir", help="a finished run folder (config.yaml; sft/ when present)")
+    ap.add_argument("--prompts", type=int, default=64, help="held-out prompts")
+    ap.add_argument("--k", type=int, default=8,
+                    help="global samples per prompt and continuations per post-tool state")
+    ap.add_argument("--roots", type=int, default=None,
+                    help="global samples whose post-tool states are probed (default K)")
+    ap.add_argument("--model", default=None, help="model (default RUN/sft, else the run's "
+                    "newest checkpoint)")
+    ap.add_argument("--seed", type=int, default=0, help="sampling and bootstrap seed")
+    ap.add_argument("--boot", type=int, default=2000, help="bootstrap resamples")
+    ap.add_argument("--out", default=None, help="analysis folder (default RUN/analysis)")
+    ap.add_argument("--results", default=str(RESULTS / "arpo_premise.json"))
+    ap.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from arpo_async.jobs.analyze import _inputs
+    from arpo_async.jobs.analyze_branching import PROMPTS_FILE, branching_analysis
+
+    run = Path(args.run_dir)
+    sft = run / "sft"
+    model = args.model or (str(sft) if (sft / "config.json").is_file() else None)
+    spec = argparse.Namespace(run_dir=str(run), model=model, data=None, corpus=None,
+                              config=None, out=args.out, overrides=args.overrides)
+    cfg, data, corpus, out = _inputs(spec)
+    done = out / PROMPTS_FILE
+    resume = f"; finished prompts read back from {done}" if done.is_file() else ""
+    print(f"[arpo_premise] model {cfg.model.path}, {args.prompts} prompts of {data}, "
+          f"K {args.k}{resume}", flush=True)
+    t0 = time.time()
+    res = branching_analysis(cfg, data, corpus, out, args.prompts, args.k,
+                             args.roots or args.k, args.seed, args.boot)
+    wall = time.time() - t0
+    print(res["finding"])
+    for name, cell in {**res["corr_by_tool"], **res["corr_by_kind"]}.items():
+        print(f"  {name:24} n {cell['n']:4d}  corr(dH, D) {cell['r']:+.3f}  mean P "
+              f"{cell['p_mean']:.3f}  mean D {cell['d_mean']:.3f}")
+    task = data.parent.name or cfg.task.name
+    write_results("arpo_premise", {"args": vars(args), "task": task, "wall_s": round(wall, 1),
+                                   "analysis": str(out / "branching.json"), **res},
+                  args.results)
+    low = res["ci_low"]
+    met = "met" if low > 1 else "missed"  # nan compares false: missed
+    print(f"RESULT arpo_premise useful_fork_ratio={res['useful_fork_ratio']:.3f} "
+          f"ci_low={low:.3f} ci_high={res['ci_high']:.3f} "
+          f"fork_vs_global={res['fork_vs_global']:.3f} task={task} target=ci_low>1 {met}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
