@@ -65,12 +65,9 @@ from arpo_async.jobs.analyze_null import (
     window_request,
     windows_of,
 )
-from arpo_async.jobs.evaluate import eval_config
-from toolenv.retriever_server import RetrieverProcess
+from arpo_async.jobs.evaluate import analysis_prompts
 from toolenv.runner import build_tools
 from toolenv.tasks.data import DataError
-from toolenv.tasks.prompts import PromptSource
-from toolenv.tasks.suite import SYSTEM_PROMPT, suite_noise
 
 
 def position_profile(leaves: list[dict], k: int) -> dict:
@@ -145,20 +142,10 @@ async def sample_leaves(cfg: Config, data: Path, limit: int, k: int, corpus: Pat
     records: prompt ids, response ids, loss mask and the tool each round called; with
     ``resample`` R, each decision's and each prompt's window resampled R times by the same
     engine (``analyze_null.resample_windows``), before the engine is closed."""
-    from transformers import AutoTokenizer
-
     from actors.agent_rollout import AgentRollout  # it imports torch: not for --help
 
     with contextlib.ExitStack() as stack:
-        url = (stack.enter_context(RetrieverProcess(corpus, **suite_noise(corpus))).url
-               if corpus else "")
-        cfg = eval_config(cfg, data, k, retriever_url=url)
-        tok = AutoTokenizer.from_pretrained(cfg.model.path)
-        source = PromptSource(cfg, tok)
-        prompts = source.items[:limit]
-        for p in prompts:
-            p.system_prompt = p.system_prompt or SYSTEM_PROMPT
-            source.encode(p)
+        cfg, tok, source, prompts = analysis_prompts(stack, cfg, data, k, corpus, limit)
         tools = build_tools(cfg.tools, Path(cfg.run.dir) / "analysis")
         engine = await build_engine(cfg, cfg.model.path)
         try:

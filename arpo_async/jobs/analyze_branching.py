@@ -254,14 +254,9 @@ def branching_analysis(cfg: Config, data: Path, corpus: Path | None, out: Path, 
                        k: int, roots: int, seed: int = 0, n_boot: int = 2000,
                        log=print) -> dict:
     """The whole test on ``cfg.model.path``: sample, complete, score, summarise, write."""
-    from transformers import AutoTokenizer  # heavy: not for --help
-
     from actors.engines import build_engine
-    from arpo_async.jobs.evaluate import eval_config
-    from toolenv.retriever_server import RetrieverProcess
+    from arpo_async.jobs.evaluate import analysis_prompts
     from toolenv.runner import build_tools
-    from toolenv.tasks.prompts import PromptSource
-    from toolenv.tasks.suite import SYSTEM_PROMPT, suite_noise
 
     if k < 2 or not 1 <= roots <= k:
         raise ConfigError(f"--k must be >= 2 and --roots in [1, k]; got k={k}, roots={roots}")
@@ -271,15 +266,7 @@ def branching_analysis(cfg: Config, data: Path, corpus: Path | None, out: Path, 
                 "window": r.entropy_window, "reduce": r.entropy_reduce,
                 "short_round": r.short_round, "temperature": cfg.sampling.temperature}
     with contextlib.ExitStack() as stack:
-        url = (stack.enter_context(RetrieverProcess(corpus, **suite_noise(corpus))).url
-               if corpus else "")
-        cfg = eval_config(cfg, data, k, retriever_url=url)
-        tok = AutoTokenizer.from_pretrained(cfg.model.path)
-        source = PromptSource(cfg, tok)
-        prompts = source.items[:limit]
-        for p in prompts:
-            p.system_prompt = p.system_prompt or SYSTEM_PROMPT
-            source.encode(p)
+        cfg, tok, source, prompts = analysis_prompts(stack, cfg, data, k, corpus, limit)
         tools = build_tools(cfg.tools, Path(cfg.run.dir))
         records = asyncio.run(_run(cfg, build_engine, source, tok, tools, prompts, k, roots,
                                    seed, out / PROMPTS_FILE, settings, log))

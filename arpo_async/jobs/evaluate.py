@@ -72,6 +72,25 @@ def eval_config(cfg: Config, data: str | Path, k: int, temperature: float | None
     return config_from_dict(tree)
 
 
+def analysis_prompts(stack: contextlib.ExitStack, cfg: Config, data: Path, k: int,
+                     corpus: Path | None, limit: int) -> tuple[Config, Any, PromptSource, list]:
+    """What the analyses (jobs/analyze*.py) start from: ``cfg`` set up for evaluation
+    with a local retriever over ``corpus`` (started in ``stack``, with the suite's noise),
+    its tokenizer, the prompt source and its first ``limit`` prompts, encoded."""
+    from transformers import AutoTokenizer  # heavy: not for --help
+
+    url = (stack.enter_context(RetrieverProcess(corpus, **suite_noise(corpus))).url
+           if corpus else "")
+    cfg = eval_config(cfg, data, k, retriever_url=url)
+    tok = AutoTokenizer.from_pretrained(cfg.model.path)
+    source = PromptSource(cfg, tok)
+    prompts = source.items[:limit]
+    for p in prompts:
+        p.system_prompt = p.system_prompt or SYSTEM_PROMPT
+        source.encode(p)
+    return cfg, tok, source, prompts
+
+
 def _row_kinds(path: Path) -> dict[str, str]:
     """Example id -> the row's own ``kind`` (synthetic splits carry arith/lookup/combo)."""
     if path.suffix.lower() not in (".jsonl", ".ndjson"):
