@@ -52,7 +52,14 @@ from actors.engines.base import (
     checkpoint_shapes,
     torch_state_dict,
 )
-from actors.engines.reaping import Procs, mp_children, reap
+from actors.engines.reaping import (
+    SHUTDOWN_GRACE_S,
+    Procs,
+    adopting,
+    mp_children,
+    reap,
+    reap_adopted,
+)
 from actors.weights.nccl import NcclTransferFailed, update_info_from
 
 logger = logging.getLogger(__name__)
@@ -463,15 +470,18 @@ class VLLMEngine:
     async def close(self) -> None:
         """Shut the engine-core process down, reap it, and remove the weight scratch folder."""
         llm, self._llm = self._llm, None
+        procs, self._procs = self._procs, []
+        adopted: list[int] = []
         if llm is not None:
-            llm.shutdown()
+            with adopting(procs) as adopted:
+                llm.shutdown(timeout=SHUTDOWN_GRACE_S)
             # Let the cancelled output-handler task finish and drop the last reference
             # now: AsyncLLM.__del__ at interpreter exit would shut down a second time.
             await asyncio.sleep(0)
             del llm
             gc.collect()
-        procs, self._procs = self._procs, []
         await reap(procs)
+        await reap_adopted(adopted)
         shutil.rmtree(self._shm, ignore_errors=True)
 
 

@@ -10,6 +10,7 @@ import asyncio
 import time
 
 import numpy as np
+import psutil
 import pytest
 import pytest_asyncio
 import torch
@@ -322,14 +323,29 @@ async def test_vllm_rejects_bad_requests(vllm_engine, prompt, hf_model):
         await vllm_engine.generate(GenRequest(list(range(3, 600)), max_tokens=2))
 
 
-async def test_vllm_close_leaves_no_process(vllm_engine):
-    import psutil
+def _children() -> list[psutil.Process]:
+    return psutil.Process().children(recursive=True)
 
-    vllm_procs = [p for p in psutil.Process().children(recursive=True) if "VLLM" in p.name()]
+
+def _left(procs: list[psutil.Process]) -> list[str]:
+    """The processes of ``procs`` that still exist, alive or zombie: nothing here reaps
+    them (psutil's wait would, and hid the zombie vLLM's shutdown left behind)."""
+    out = []
+    for proc in procs:
+        try:
+            out.append(f"{proc.pid} {proc.name()} ({proc.status()})")
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+async def test_vllm_close_leaves_no_process(vllm_engine):
+    """The engine's close reaps its engine-core process; the module's second engine
+    (test_vllm_update_with_tied_embeddings) checks the same in the same process."""
+    vllm_procs = [p for p in _children() if "VLLM" in p.name()]
     assert any("EngineCore" in p.name() for p in vllm_procs)
     await vllm_engine.close()
-    _, alive = psutil.wait_procs(vllm_procs, timeout=10)
-    assert not alive, f"vLLM processes left after close: {alive}"
+    assert not _left(vllm_procs), f"vLLM processes left after close: {_left(vllm_procs)}"
     await vllm_engine.close()  # idempotent
 
 
@@ -349,7 +365,9 @@ async def test_vllm_update_with_tied_embeddings(tiny_model_dir, tmp_path):
     for f in tiny_model_dir.iterdir():
         if f.name.startswith("tokenizer") or f.suffix == ".jinja":
             (tmp_path / f.name).write_bytes(f.read_bytes())
+    before = {p.pid for p in _children()}
     engine = await VLLMEngine.create(tmp_path, kv_cache_gib=0.25)
+    started = [p for p in _children() if p.pid not in before]
     try:
         prompt, tokens = [1, 5, 9, 20], [30, 40, 50, 60, 70]
         before = np.array(await engine.sequence_logprobs(prompt, tokens))
@@ -364,6 +382,8 @@ async def test_vllm_update_with_tied_embeddings(tiny_model_dir, tmp_path):
                                    rtol=0)
     finally:
         await engine.close()
+    # a second engine started and closed in this process: nothing of it is left either
+    assert started and not _left(started), f"left after close: {_left(started)}"
 
 
 # ----------------------------------------------------------------------------- transformers
