@@ -188,13 +188,19 @@ class WarmSandbox:
         except asyncio.TimeoutError:
             log.warning("sandbox %d: still open %.0f s after SIGKILL", self.proc.pid,
                         _REAP_TIMEOUT_S)
+            self._kill_bwrap()
 
     def _kill_group(self) -> None:
+        """Kill the sandbox: through its uid in setuid mode (bwrap then exits by itself,
+        having reaped the sandbox's init: ``Lease.kill``), else through bwrap's group."""
+        if not self._lease.kill():
+            self._kill_bwrap()
+
+    def _kill_bwrap(self) -> None:
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-        self._lease.kill()  # the sandbox's init, which bwrap's death does not reach
 
     def kill(self) -> None:
         """Kill and reap at once (no event loop needed); bwrap dies in milliseconds."""
@@ -206,6 +212,11 @@ class WarmSandbox:
         except subprocess.TimeoutExpired:
             log.warning("sandbox %d: not reaped %.0f s after SIGKILL", self.proc.pid,
                         _REAP_TIMEOUT_S)
+            self._kill_bwrap()
+            try:
+                self.proc.wait(_REAP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                pass
         self._close()
 
     def _close(self) -> None:
@@ -215,7 +226,7 @@ class WarmSandbox:
         for stream in (self.proc.stdin, self.proc.stdout):
             stream.close()
         os.close(self._pidfd)
-        self._lease.release()  # kills what is left of its uid first (toolenv/sandbox.py)
+        self._lease.release()
 
 
 class WarmPool:

@@ -235,29 +235,35 @@ class SessionSandbox:
         request pipe is closed, so the keeper (the sandbox's init) exits; the kernel kills
         and reaps every other process of the pid namespace before that exit completes,
         and only then does bwrap, waiting for it, exit. A sandbox that does not end so
-        within the reap timeout is killed through bwrap, and the release kills whatever
-        still runs as its uid (setuid mode) before the uid can be handed out again."""
+        within the reap timeout is killed through its uid (setuid mode) and then through
+        bwrap's group; its uid is unlocked once bwrap is gone."""
         if self._closed:
             return
         self._closed = True
         self.proc.stdin.close()
-        try:
-            self.proc.wait(_REAP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
+        if not self._exited():
             log.warning("session sandbox %d: still running %.0f s after its session was "
                         "closed; killing it", self.proc.pid, _REAP_TIMEOUT_S)
+            # through its uid first (setuid mode): bwrap then reaps the keeper and exits
+            # by itself (toolenv/sandbox.py, Lease.kill)
+            if self._lease.kill():
+                self._exited()
         try:  # without a sandbox (mode none) the keeper's group is all there is to kill
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-        self._lease.kill()  # before the drain: a process of the uid may hold the pipe open
-        self._lease.release()
+        if not self._exited():
+            log.warning("session sandbox %d: not reaped after SIGKILL", self.proc.pid)
         self._drain(time.monotonic() + _REAP_TIMEOUT_S)
+        self._lease.release()
+        self.proc.stdout.close()
+
+    def _exited(self) -> bool:
         try:
             self.proc.wait(_REAP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            log.warning("session sandbox %d: not reaped after SIGKILL", self.proc.pid)
-        self.proc.stdout.close()
+            return False
+        return True
 
     def _drain(self, deadline: float) -> bool:
         while (left := deadline - time.monotonic()) > 0:

@@ -12,6 +12,7 @@ import os
 import resource
 import shutil
 import subprocess
+import threading
 import time
 from dataclasses import replace
 
@@ -93,9 +94,14 @@ def test_a_process_left_running_as_a_pool_uid_is_killed_before_the_uid_is_reused
         while not sandbox_mod.uid_processes(uid) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert sandbox_mod.uid_processes(uid) == [stray.pid]
+        # its parent (this test) reaps it as soon as it dies, as bwrap reaps a sandbox's
+        # init: a zombie left unreaped would keep the uid out of use
+        waiter = threading.Thread(target=stray.wait, daemon=True)
+        waiter.start()
         got, fd = pool.acquire()
         assert got == uid
-        assert stray.wait(5) == -9  # killed before the uid was handed out
+        waiter.join(5)
+        assert stray.returncode == -9  # killed before the uid was handed out
         assert sandbox_mod.kill_uid(uid)
         pool.release(fd)
     finally:
