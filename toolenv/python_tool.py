@@ -93,7 +93,7 @@ _RUNNER = _RUNNER_DEF + "_arpo_run()\n"
 # (with its exit code, or 128 + the signal that killed it), so the sandbox ends when the
 # child does.
 _WARM_RUNNER = _RUNNER_DEF + r"""
-import atexit, os, signal
+import atexit, os, select, signal
 for _name in sys.argv[1:]:
     try:
         __import__(_name)
@@ -133,9 +133,19 @@ else:
                 signal.signal(_sig, signal.SIG_IGN)
             except (OSError, ValueError):
                 pass
+    # The host's output pipe, kept: its reader gone means the host is gone (died, or
+    # dropped the sandbox), and then the call ends now, as it would with bwrap as init.
+    _host = os.dup(1)
     _null = os.open(os.devnull, os.O_RDWR)
     for _fd in (0, 1, 2):  # only the child holds the pipes: EOF comes when it is done
         os.dup2(_null, _fd)
+    _pidfd = os.pidfd_open(_pid)
+    _poll = select.poll()
+    _poll.register(_host, 0)  # a pipe's write end reports POLLERR once no reader is left
+    _poll.register(_pidfd, select.POLLIN)
+    while _pidfd not in {_fd for _fd, _ in _poll.poll()}:
+        os.kill(_pid, signal.SIGKILL)  # the host is gone
+        _poll.unregister(_host)
     _status = os.waitpid(_pid, 0)[1]
     if os.WIFSIGNALED(_status):  # as a shell says it: init cannot send itself the signal
         os._exit(128 + os.WTERMSIG(_status))

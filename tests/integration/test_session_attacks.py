@@ -229,3 +229,33 @@ async def test_a_warm_call_cannot_kill_its_waiting_parent():
         assert not killed.ok and "SIGKILL" in killed.text
     finally:
         await tool.close()
+
+
+async def test_a_warm_call_ends_when_its_host_is_gone():
+    """The waiting parent is the sandbox's init, which bwrap's death does not reach (setuid
+    mode): when the host's end of the output pipe closes (the actor died), it ends the
+    call itself instead of letting a snippet run on unwatched."""
+    if shutil.which("bwrap") is None or os.geteuid() != 0:
+        pytest.skip("setuid mode: needs bubblewrap and root")
+    tool = PythonTool(cpu_s=2, memory_mb=256, max_procs=16, wall_timeout_s=30, pool=1)
+    try:
+        assert tool.sandbox.mode == "setuid"
+        warm = tool._spawn_warm()
+        await warm.ready(30)
+        uid = warm._lease.uid
+        warm.proc.stdin.write(b"import time\ntime.sleep(300)\n")
+        warm.proc.stdin.close()
+        await asyncio.sleep(1.0)  # the snippet sleeps; its parent waits for it
+        assert len(_alive(uid)) == 2, _alive(uid)
+        warm.proc.stdout.close()  # the host is gone: nobody reads the call's output
+        deadline = time.monotonic() + 10
+        while _alive(uid) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not _alive(uid), "the snippet outlived its host"
+        warm.proc.wait(10)
+    finally:
+        await tool.close()
+
+
+def _alive(uid: int) -> list[int]:
+    return [pid for pid in sandbox_mod.uid_processes(uid) if not sandbox_mod._zombie(pid)]
