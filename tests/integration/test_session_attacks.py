@@ -19,6 +19,7 @@ from dataclasses import replace
 import pytest
 
 from toolenv import sandbox as sandbox_mod
+from toolenv import uids
 from toolenv.python_tool import PythonTool
 
 pytestmark = pytest.mark.integration
@@ -258,4 +259,4 @@ async def test_a_warm_call_ends_when_its_host_is_gone():
 
 
 def _alive(uid: int) -> list[int]:
-    return [pid for pid in sandbox_mod.uid_processes(uid) if not sandbox_mod._zombie(pid)]
+    return [pid for pid in sandbox_mod.uid_processes(uid) if not uids._zombie(pid)]
