@@ -237,14 +237,10 @@ def _in_fork(state, nonce, work):
     """Run ``work(state)`` in a fork of this holder. ``work`` returns (status, hand_over): on
     hand_over the fork becomes the holder (through a fresh fork of its own, whose CPU clock
     starts at zero) and this process exits; else this one stays, as it was."""
-    r, w = os.pipe()
-    try:
-        pid = _fork()
-    except OSError as exc:
-        os.close(r)
-        os.close(w)
-        _reply(nonce, _no_process(exc))
+    forked = _fork_with_pipe(nonce)
+    if forked is None:
         return False
+    r, w, pid = forked
     if pid == 0:
         os.close(r)
         me, old_holder = os.getpid(), os.pidfd_open(os.getppid())
@@ -280,6 +276,19 @@ def _in_fork(state, nonce, work):
         os._exit(0)
     _reply(nonce, json.loads(message[1:]) if message else _dead_status(wstatus))
     return False
+
+
+def _fork_with_pipe(nonce):
+    """(read end, write end, pid) of a fork with a pipe to it; None, the request answered
+    with ``no_process``, when no process slot is left."""
+    r, w = os.pipe()
+    try:
+        return r, w, _fork()
+    except OSError as exc:
+        os.close(r)
+        os.close(w)
+        _reply(nonce, _no_process(exc))
+        return None
 
 
 def _no_process(exc):
@@ -392,14 +401,10 @@ def _dump(state, nonce, limit):
     """Write a checkpoint in a forked process of its own group (killed with everything it
     started once it is done); the session's files are compared before and after."""
     before = _fingerprint()
-    r, w = os.pipe()
-    try:
-        pid = _fork()
-    except OSError as exc:
-        os.close(r)
-        os.close(w)
-        _reply(nonce, _no_process(exc))
+    forked = _fork_with_pipe(nonce)
+    if forked is None:
         return
+    r, w, pid = forked
     if pid == 0:
         os.close(r)
         os.setpgid(0, 0)
