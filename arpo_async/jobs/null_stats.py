@@ -59,10 +59,14 @@ class Trajectory:
 
 
 def sample_var(values: Sequence[float]) -> float:
-    """Unbiased variance of the finite values; nan with fewer than two."""
+    """Unbiased variance of the finite values; nan with fewer than two; exactly 0 when they
+    are all equal (not the 1e-34 that rounding of their mean leaves: a zero noise is
+    undefined S/N, not an S/N of 1e30)."""
     v = np.asarray(values, dtype=np.float64)
     v = v[np.isfinite(v)]
-    return float(v.var(ddof=1)) if v.size >= 2 else float("nan")
+    if v.size < 2:
+        return float("nan")
+    return 0.0 if np.ptp(v) == 0 else float(v.var(ddof=1))
 
 
 SUMS = ("n", "dh", "dh2", "v_post", "ss_init", "df_init")
@@ -86,7 +90,7 @@ def prompt_sums(prompts: Sequence[Sequence[Trajectory]]) -> np.ndarray:
             dh, v = np.asarray(usable).T
             rows[g, :4] += (dh.size, dh.sum(), (dh ** 2).sum(), v.sum())
         if len(h_init) >= 2:
-            rows[g, 4:] = (np.var(h_init) * len(h_init), len(h_init) - 1)
+            rows[g, 4:] = (sample_var(h_init) * (len(h_init) - 1), len(h_init) - 1)
     return rows
 
 
@@ -96,7 +100,10 @@ def ratios(t: np.ndarray) -> np.ndarray:
     no noise)."""
     n, s1, s2, vp, ss, df = np.moveaxis(t, -1, 0)
     with np.errstate(divide="ignore", invalid="ignore"):
-        signal = (s2 - s1 ** 2 / n) / (n - 1)
+        centred = s2 - s1 ** 2 / n
+        # dH all equal: the difference of two equal sums, which rounding leaves at 1e-16
+        centred = np.where(np.abs(centred) <= 1e-12 * np.abs(s2), 0.0, centred)
+        signal = centred / (n - 1)
         post = vp / n
         both = post + ss / df
         out = np.stack([signal / both, signal / post], axis=-1)
