@@ -15,12 +15,16 @@ each scored by the task's reward. Figures:
   where outcomes split more often than chance placement at the same rate would;
 * **fork_vs_global**: mean D after tool results / D of the K fresh samples of the same
   prompt;
+* **top_third**: the same ratio for the sharpest allocation dH allows (fork only at the
+  states in the top third of dH): ARPO's own P (0.5 + 0.2 dH) varies so little that its
+  ratio stays near 1 whatever dH says;
 * corr(dH, D) overall, by tool and by tool-result kind (in the JSON).
 
 Target: ci_low > 1. Resumable: finished prompts are lines of
 ``OUT/branching_prompts.jsonl`` (default OUT = RUN/analysis), read back on a rerun with
 the same settings. The last line is ``RESULT arpo_premise useful_fork_ratio=<x>
-ci_low=<l> ci_high=<h> fork_vs_global=<y> task=<name> target=ci_low>1 met|missed``.
+ci_low=<l> ci_high=<h> fork_vs_global=<y> top_third=<t> task=<name> target=ci_low>1
+met|missed``.
 
     python bench/arpo_premise.py RUN_DIR [--prompts 64] [--k 8] [--roots K] [--model DIR]
         [--seed 0] [--boot 2000] [--out DIR] [--results FILE] [key=value ...]
@@ -88,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     met = "met" if low > 1 else "missed"  # nan compares false: missed
     print(f"RESULT arpo_premise useful_fork_ratio={res['useful_fork_ratio']:.3f} "
           f"ci_low={low:.3f} ci_high={res['ci_high']:.3f} "
-          f"fork_vs_global={res['fork_vs_global']:.3f} task={task} target=ci_low>1 {met}")
+          f"fork_vs_global={res['fork_vs_global']:.3f} top_third={res['top_third_ratio']:.3f} "
+          f"task={task} target=ci_low>1 {met}")
     return 0
 
 

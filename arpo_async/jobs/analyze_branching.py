@@ -221,6 +221,7 @@ def summarize(records: list[dict], seed: int = 0, n_boot: int = 2000, level: flo
     figures, metrics = premise_figures(clusters, np.random.default_rng([seed, 29]), n_boot,
                                        level)
     dh, d = [r["dh"] for r in rows], [r["d"] for r in rows]
+    top = top_third(records, dh, seed, n_boot, level)
     by_tool, _ = correlation_by([str(r["tool"]) for r in rows], dh, d)
     by_kind, _ = correlation_by([f"{r['tool']}:{r['kind']}" for r in rows], dh, d)
     for table, key in ((by_tool, lambda r: str(r["tool"])),
@@ -230,9 +231,29 @@ def summarize(records: list[dict], seed: int = 0, n_boot: int = 2000, level: flo
             cell.update(p_mean=_mean([r["p"] for r in mine]), d_mean=_mean([r["d"] for r in mine]),
                         dh_mean=_mean([r["dh"] for r in mine]))
     r_all, m_all = pearson(dh, d)
-    return {**figures, **metrics, "corr_dh_d": r_all, "corr_n": m_all["n"],
+    return {**figures, **metrics, **top, "corr_dh_d": r_all, "corr_n": m_all["n"],
             "corr_by_tool": by_tool, "corr_by_kind": by_kind,
             "skipped_short": sum(r["skipped_short"] for r in rows)}
+
+
+def top_third(records: list[dict], dh: list[float], seed: int, n_boot: int, level: float
+              ) -> dict:
+    """The useful-fork ratio of the sharpest allocation entropy allows: fork at every state
+    whose dH is in the top third of all states' (P = 1 there, 0 elsewhere). ARPO's P =
+    alpha + beta dH (0.5 + 0.2 dH) barely varies with dH, so its own ratio stays near 1
+    whatever dH says; this one reaches the ratio that dH's ranking can give at all."""
+    finite = [x for x in dh if math.isfinite(x)]
+    if not finite:
+        return {"top_third_ratio": math.nan, "top_ci_low": math.nan, "top_ci_high": math.nan}
+    cut = float(np.quantile(finite, 2 / 3))
+    clusters = []
+    for rec in sorted(records, key=lambda r: r["index"]):
+        g, _ = discordance(rec["global"])
+        p = [1.0 if math.isfinite(s["dh"]) and s["dh"] >= cut else 0.0 for s in rec["states"]]
+        clusters.append((p, [discordance(s["rewards"])[0] for s in rec["states"]], g))
+    fig, _ = premise_figures(clusters, np.random.default_rng([seed, 30]), n_boot, level)
+    return {"top_third_ratio": fig["useful_fork_ratio"], "top_ci_low": fig["ci_low"],
+            "top_ci_high": fig["ci_high"], "top_third_dh_cut": cut}
 
 
 def _mean(values: list[float]) -> float:
@@ -243,7 +264,9 @@ def _mean(values: list[float]) -> float:
 def finding(res: dict) -> str:
     return (f"useful-fork ratio {res['useful_fork_ratio']:.3f} (90% CI {res['ci_low']:.3f}-"
             f"{res['ci_high']:.3f}) over {res['states']} post-tool states of {res['prompts']} "
-            f"prompts; fork_vs_global {res['fork_vs_global']:.3f}; corr(dH, D) "
+            f"prompts; forking only at the top third of dH {res['top_third_ratio']:.3f} "
+            f"({res['top_ci_low']:.3f}-{res['top_ci_high']:.3f}); fork_vs_global "
+            f"{res['fork_vs_global']:.3f}; corr(dH, D) "
             f"{res['corr_dh_d']:.3f}; mean P {res['p_mean']:.3f}, mean D {res['d_mean']:.3f}")
 
 

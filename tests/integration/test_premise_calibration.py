@@ -128,8 +128,10 @@ async def test_null_world_covers_one_and_planted_world_exceeds_it(tiny_model_dir
     planted, _ = await _world(tmp_path, tiny_model_dir, planted=True)
     res_null, res_planted = summarize(null, seed=0), summarize(planted, seed=0)
     print("null", {k: res_null[k] for k in ("useful_fork_ratio", "ci_low", "ci_high",
+                                            "top_third_ratio", "top_ci_low", "top_ci_high",
                                             "states", "d_mean", "corr_dh_d")})
     print("planted", {k: res_planted[k] for k in ("useful_fork_ratio", "ci_low", "ci_high",
+                                                  "top_third_ratio", "top_ci_low", "top_ci_high",
                                                   "states", "d_mean", "corr_dh_d")})
     for res in (res_null, res_planted):
         assert res["prompts"] == PROMPTS and res["states"] >= 40, res
@@ -140,6 +142,9 @@ async def test_null_world_covers_one_and_planted_world_exceeds_it(tiny_model_dir
     assert res_null["ci_low"] <= 1.0 <= res_null["ci_high"], res_null
     assert res_planted["ci_low"] > 1.15 and res_planted["useful_fork_ratio"] > 1.3, res_planted
     assert res_planted["corr_dh_d"] > 0.4 > abs(res_null["corr_dh_d"])
+    # the sharpest allocation by dH (fork only at its top third) is calibrated the same way
+    assert res_null["top_ci_low"] <= 1.0 <= res_null["top_ci_high"], res_null
+    assert res_planted["top_ci_low"] > res_planted["ci_low"], res_planted
     for rec in planted:  # every probed state: K continuations, P and dH from the rollout
         assert len(rec["global"]) == K
         for s in rec["states"]:
