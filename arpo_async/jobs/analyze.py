@@ -326,7 +326,13 @@ def main(argv: list[str] | None = None) -> int:
     from arpo_async.jobs.analyze_branching import add_parser, run_command  # outcome test
 
     add_parser(sub)
-    args = ap.parse_args(argv)
+    # key=value after an option (``RUN --k 4 rollout.alpha=0.3``): argparse leaves it over
+    args, extra = ap.parse_known_args(argv)
+    stray = [w for w in extra if w.startswith("-") or "=" not in w]
+    if stray or (extra and not hasattr(args, "overrides")):
+        ap.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     if args.what == "trees":
         from arpo_async.jobs.trees_page import cli  # the page alone: no model, no engine
 

@@ -52,3 +52,28 @@ def test_no_call_no_finding():
     leaf = {"mask": np.array([1, 1]), "entropy": np.array([.1, .2]), "tools": [None]}
     p = position_profile([leaf], k=4)
     assert p["n_tool_calls"] == 0 and "nothing to compare" in finding(p)
+
+
+class _Seen(Exception):
+    pass
+
+
+@pytest.mark.parametrize("what", ["entropy", "branching"])
+def test_overrides_after_options_reach_the_config(monkeypatch, what):
+    """``analyze entropy RUN --k 4 rollout.short_round=as_is``: argparse alone refuses an
+    override written after an option; it must reach the run's config like one before."""
+    import arpo_async.jobs.analyze as analyze
+
+    def seen(args):
+        raise _Seen(args.overrides)
+
+    monkeypatch.setattr(analyze, "_inputs", seen)
+    for argv in ([what, "RUN", "rollout.alpha=0.3", "--k", "4", "rollout.beta=0.1"],
+                 [what, "RUN", "--k", "4", "rollout.alpha=0.3", "rollout.beta=0.1"]):
+        with pytest.raises(_Seen) as got:
+            analyze.main(argv)
+        assert got.value.args[0] == ["rollout.alpha=0.3", "rollout.beta=0.1"], argv
+    for bad in ([what, "RUN", "--k", "4", "--nope"], [what, "RUN", "--k", "4", "stray"],
+                ["trees", "RUN", "rollout.alpha=0.3"]):
+        with pytest.raises(SystemExit):
+            analyze.main(bad)
