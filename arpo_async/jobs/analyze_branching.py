@@ -212,16 +212,17 @@ def _parse(line: str) -> dict | None:
 def summarize(records: list[dict], seed: int = 0, n_boot: int = 2000, level: float = 0.9
               ) -> dict:
     """The premise figures (``premise_stats``) and correlations by tool and result kind."""
-    clusters, rows = [], []
+    clusters, dh_by_cluster, rows = [], [], []
     for rec in sorted(records, key=lambda r: r["index"]):
         g, _ = discordance(rec["global"])
         d = [discordance(s["rewards"])[0] for s in rec["states"]]
         clusters.append(([s["p"] for s in rec["states"]], d, g))
+        dh_by_cluster.append([s["dh"] for s in rec["states"]])
         rows += [{**s, "d": dv} for s, dv in zip(rec["states"], d)]
     figures, metrics = premise_figures(clusters, np.random.default_rng([seed, 29]), n_boot,
                                        level)
     dh, d = [r["dh"] for r in rows], [r["d"] for r in rows]
-    top = top_third(records, dh, seed, n_boot, level)
+    top = top_third(clusters, dh_by_cluster, seed, n_boot, level)
     by_tool, _ = correlation_by([str(r["tool"]) for r in rows], dh, d)
     by_kind, _ = correlation_by([f"{r['tool']}:{r['kind']}" for r in rows], dh, d)
     for table, key in ((by_tool, lambda r: str(r["tool"])),
@@ -236,22 +237,19 @@ def summarize(records: list[dict], seed: int = 0, n_boot: int = 2000, level: flo
             "skipped_short": sum(r["skipped_short"] for r in rows)}
 
 
-def top_third(records: list[dict], dh: list[float], seed: int, n_boot: int, level: float
-              ) -> dict:
+def top_third(clusters: list[tuple], dh_by_cluster: list[list[float]], seed: int,
+              n_boot: int, level: float) -> dict:
     """The useful-fork ratio of the sharpest allocation entropy allows: fork at every state
     whose dH is in the top third of all states' (P = 1 there, 0 elsewhere). ARPO's P =
     alpha + beta dH (0.5 + 0.2 dH) barely varies with dH, so its own ratio stays near 1
     whatever dH says; this one reaches the ratio that dH's ranking can give at all."""
-    finite = [x for x in dh if math.isfinite(x)]
+    finite = [x for dh in dh_by_cluster for x in dh if math.isfinite(x)]
     if not finite:
         return {"top_third_ratio": math.nan, "top_ci_low": math.nan, "top_ci_high": math.nan}
     cut = float(np.quantile(finite, 2 / 3))
-    clusters = []
-    for rec in sorted(records, key=lambda r: r["index"]):
-        g, _ = discordance(rec["global"])
-        p = [1.0 if math.isfinite(s["dh"]) and s["dh"] >= cut else 0.0 for s in rec["states"]]
-        clusters.append((p, [discordance(s["rewards"])[0] for s in rec["states"]], g))
-    fig, _ = premise_figures(clusters, np.random.default_rng([seed, 30]), n_boot, level)
+    top = [([1.0 if math.isfinite(x) and x >= cut else 0.0 for x in dh], d, g)
+           for (_, d, g), dh in zip(clusters, dh_by_cluster)]
+    fig, _ = premise_figures(top, np.random.default_rng([seed, 30]), n_boot, level)
     return {"top_third_ratio": fig["useful_fork_ratio"], "top_ci_low": fig["ci_low"],
             "top_ci_high": fig["ci_high"], "top_third_dh_cut": cut}
 
