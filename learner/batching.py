@@ -99,6 +99,17 @@ class Batch:
     def num_weighted(self) -> float:
         return float(self.weight.sum())
 
+    @property
+    def num_sequences(self) -> float:
+        """Rows with a trained token (what a sequence-level loss counts)."""
+        return float((self.weight.sum(dim=1) > 0).sum())
+
+    @property
+    def seq_ids(self) -> torch.Tensor:
+        """[B, L-1] the row of each position: the sequence structure the loss reads."""
+        rows = torch.arange(self.weight.shape[0], device=self.weight.device)
+        return rows[:, None].expand_as(self.weight)
+
 
 def collate(samples: list[LeafSample], pad_id: int) -> Batch:
     """Right-pad samples into one batch aligned to next-token positions."""

@@ -9,10 +9,10 @@ chunk x V floats whatever K is.
 
 ``packed_forward``: one packed micro-batch through the model (mask per
 learner/tree_attention.py, position ids = depths, logits of no position), then the
-chunked log-probs at the targets' parent positions. ``packed_loss_inputs`` lays the
-targets out three times for learner/losses.py (weights mp, mn, mz; learner/packing.py
-explains why this gives the padded loss exactly) and gives the entropy statistics weighted by the
-copies, as the padded path counts them.
+chunked log-probs at the targets' parent positions. ``packed_loss_inputs`` gives the
+loss (learner/losses/) every trained copy of a target, with its leaf's weight, advantage
+and sequence id (learner/packing.py), as the padded path does; ``entropy_stats`` weights
+the entropy statistics by the copies, as the padded path counts them.
 """
 
 from __future__ import annotations
@@ -42,20 +42,21 @@ def packed_forward(model, lm_head, batch, mask, temperature: float, chunk: int,
 def packed_loss_inputs(batch, logp: torch.Tensor, entropy: torch.Tensor | None,
                        proximal: torch.Tensor | None, ref: torch.Tensor | None = None
                        ) -> LossInputs:
-    """Each target three times: weight mp and advantage P / mp, mn and N / mn, mz and 0."""
-    def three(x):
-        return None if x is None else torch.cat([x, x, x])
+    """One entry per trained copy: its target's values, its own weight, advantage and
+    sequence."""
+    def copies(x):
+        return None if x is None else x.index_select(0, batch.copy_target)
 
     return LossInputs(
-        logprobs=three(logp), behaviour_logprobs=three(batch.behaviour),
-        proximal_logprobs=three(proximal), ref_logprobs=three(ref),
-        advantages=torch.cat([batch.ap, batch.an, torch.zeros_like(batch.ap)]),
-        loss_mask=torch.cat([batch.mp, batch.mn, batch.mz]), entropy=three(entropy))
+        logprobs=copies(logp), behaviour_logprobs=copies(batch.behaviour),
+        proximal_logprobs=copies(proximal), ref_logprobs=copies(ref),
+        advantages=batch.copy_adv, loss_mask=batch.copy_m, entropy=copies(entropy),
+        seq_ids=batch.copy_seq)
 
 
 def entropy_stats(batch, entropy: torch.Tensor) -> tuple[float, float]:
     """(mean, sample std) of the entropy over every copy with m > 0, as the padded path
-    computes them over its rows (learner/losses.py ``_entropy_aware``)."""
+    computes them over its rows (learner/losses/base.py ``entropy_aware``)."""
     w = batch.count.double()
     h = entropy.detach().double()
     n = float(w.sum())

@@ -14,19 +14,16 @@ the last prompt token, or, for a fork, at the last token it shares with its pare
 * the target token n is predicted from its parent node ``pred[n]``; a fork point
   predicts several targets (one per child).
 
-Loss weights (docs/design.md, "Packed tree batches"). A merged node stands for the copies
-of that token in every leaf that contains it. They have the same context, hence the same
-ratio r, and the same behaviour log-prob (checked, see below), hence the same IS weight
-w. The clipped objective o(r, A) is positively homogeneous in A and linear within one
-sign of A, so sum_i m_i o(r, A_i) = o(r, P) + o(r, N) with P (N) the sum of m_i A_i over
-the copies with A_i > 0 (< 0). The loss therefore sees each node three times: with
-weight mp = sum of m_i over the positive copies and advantage P / mp, with mn and N / mn,
-and with mz, the weight of the copies whose A_i is 0, and advantage 0
-(learner/losses.py is unchanged: m * o(r, P / mp) = o(r, P)). Token counts, the clip and
-IS metrics (which look at the sign of A), entropy and KL terms are sums of m over
-copies, so they come out the same. Hard
-attribution needs nothing special: the copies of a shared token carry weight 0 except in
-the owner.
+Loss inputs (docs/design.md, "Packed tree batches"). The model runs once per node, and
+the log-prob of a target node is computed once; the loss then sees every *copy* of a
+trained token: one entry per (leaf, response token) with m > 0, pointing at its node,
+with that leaf's weight, advantage and sequence id (``copy_target``, ``copy_seq``,
+``copy_m``, ``copy_adv``). So the loss reads exactly what the padded path gives it, in
+another order: token- and sequence-level losses alike (learner/losses/), no identity
+about the loss's shape needed. A copy costs a gather and a few elementwise operations,
+not a forward pass. ``count`` (copies per node) weights the entropy statistics.
+Hard attribution needs nothing special: the copies of a shared token carry weight 0
+except in the owner, and copies of weight 0 are left out.
 
 Behaviour log-probs of a shared token: a fork copies its parent's tokens, log-probs and
 versions (``_Path.fork`` in actors/agent_rollout.py), so they cannot differ. The builder
@@ -60,12 +57,12 @@ class PackedTree:
     depth: np.ndarray  # int64 position id
     end: np.ndarray  # int64 end of the node's subtree (local, exclusive)
     count: np.ndarray  # float64 copies with m > 0 (the entropy statistics' multiplicity)
-    mp: np.ndarray  # float64 sum of m over copies with A > 0
-    mn: np.ndarray  # float64 sum of m over copies with A < 0
-    mz: np.ndarray  # float64 sum of m over copies with A = 0
-    ap: np.ndarray  # float64 P / mp (0 where mp = 0)
-    an: np.ndarray  # float64 N / mn
     mu: np.ndarray  # float32 behaviour log-prob
+    c_node: np.ndarray  # int64 per trained copy (leaf token with m > 0): its node
+    c_seq: np.ndarray  # int64 its leaf (0..n_leaves-1, in leaf-index order)
+    c_m: np.ndarray  # float32 its loss weight
+    c_adv: np.ndarray  # float32 its advantage
+    n_leaves: int
     leaf_tokens: int  # prompt + response tokens of its leaves (what padding-free rows cost)
     kept_apart: int = 0  # declared shared tokens that disagreed with the parent
 
@@ -152,14 +149,9 @@ def build_tree(leaves: list[LeafSample]) -> PackedTree:
     ids, pred, nodes, kept_apart = _trie(leaves)
     n = len(ids)
     at = np.concatenate(nodes) if leaves else np.zeros(0, np.int64)
-    m = np.concatenate([s.weight for s in leaves]).astype(np.float64)
-    adv = np.concatenate([s.advantages for s in leaves]).astype(np.float64)
-    pos, neg, zero = adv > 0, adv < 0, adv == 0
-    mp = np.bincount(at[pos], weights=m[pos], minlength=n)
-    mn = np.bincount(at[neg], weights=m[neg], minlength=n)
-    mz = np.bincount(at[zero], weights=m[zero], minlength=n)
-    psum = np.bincount(at[pos], weights=(m * adv)[pos], minlength=n)
-    nsum = np.bincount(at[neg], weights=(m * adv)[neg], minlength=n)
+    m = np.concatenate([s.weight for s in leaves]).astype(np.float32)
+    adv = np.concatenate([s.advantages for s in leaves]).astype(np.float32)
+    leaf = np.repeat(np.arange(len(leaves)), [len(s.response) for s in leaves])
     count = np.bincount(at, weights=(m > 0).astype(np.float64), minlength=n)
     mu = np.zeros(n, np.float32)
     mu[at] = np.concatenate([s.behaviour for s in leaves])
@@ -171,13 +163,12 @@ def build_tree(leaves: list[LeafSample]) -> PackedTree:
     depth = np.zeros(n, np.int64)
     for x in range(1, n):
         depth[x] = depth[new_pred[x]] + 1
-    with np.errstate(invalid="ignore", divide="ignore"):
-        ap = np.where(mp > 0, psum / np.where(mp > 0, mp, 1), 0.0)
-        an = np.where(mn > 0, nsum / np.where(mn > 0, mn, 1), 0.0)
+    keep = m > 0
     return PackedTree(
         ids=np.asarray(ids, np.int64)[order], pred=new_pred, depth=depth,
-        end=_subtree_end(new_pred), count=count[order], mp=mp[order], mn=mn[order], mz=mz[order],
-        ap=ap[order], an=an[order], mu=mu[order],
+        end=_subtree_end(new_pred), count=count[order], mu=mu[order],
+        c_node=rank[at[keep]], c_seq=leaf[keep].astype(np.int64), c_m=m[keep],
+        c_adv=adv[keep], n_leaves=len(leaves),
         leaf_tokens=sum(s.num_tokens for s in leaves), kept_apart=kept_apart)
 
 
@@ -250,33 +241,44 @@ class PackedBatch:
     ctx: torch.Tensor  # [K] long: position whose logits predict each target
     targets: torch.Tensor  # [K] long: the target token ids
     count: torch.Tensor  # [K] float copies with m > 0
-    mp: torch.Tensor  # [K]
-    mn: torch.Tensor  # [K]
-    mz: torch.Tensor  # [K]
-    ap: torch.Tensor  # [K]
-    an: torch.Tensor  # [K]
     behaviour: torch.Tensor  # [K] float32
+    copy_target: torch.Tensor  # [E] long: the target of each trained copy
+    copy_seq: torch.Tensor  # [E] long: its sequence (leaf), unique within the batch
+    copy_m: torch.Tensor  # [E] float32 loss weight
+    copy_adv: torch.Tensor  # [E] float32 advantage
     tokens: int  # real tokens (without alignment padding)
     leaf_tokens: int
     kept_apart: int
 
     @property
     def num_weighted(self) -> float:
-        return float(self.mp.sum() + self.mn.sum() + self.mz.sum())
+        return float(self.copy_m.sum())
+
+    @property
+    def num_sequences(self) -> float:
+        """Leaves with a trained token (what a sequence-level loss counts)."""
+        return float(torch.unique(self.copy_seq).numel())
 
 
 def collate_packed(units: list[PackedTree], pad_id: int, align: int = 1) -> PackedBatch:
     """Concatenate units (block structure: no token sees another unit) into one row; an
     empty list gives a one-token batch with no target (keeps ranks in step)."""
-    ids, pos, pred, end, sel = [], [], [], [], []
-    offset = 0
+    ids, pos, pred, end, sel, local, copies = [], [], [], [], [], [], []
+    offset = targets = leaves = 0
     for u in units:
         ids.append(u.ids)
         pos.append(u.depth)
         pred.append(np.where(u.pred >= 0, u.pred + offset, -1))
         end.append(u.end + offset)
-        sel.append(np.flatnonzero((u.pred >= 0) & (u.mp + u.mn + u.mz > 0)))
+        picked = np.flatnonzero((u.pred >= 0) & (u.count > 0))
+        sel.append(picked + offset)
+        local.append(picked)
+        target_of = np.full(u.num_tokens, -1, np.int64)
+        target_of[picked] = targets + np.arange(picked.shape[0])
+        copies.append((target_of[u.c_node], u.c_seq + leaves, u.c_m, u.c_adv))
         offset += u.num_tokens
+        targets += picked.shape[0]
+        leaves += u.n_leaves
     tokens = offset
     total = max(-(-max(tokens, 1) // align) * align, 1)
     pad = total - tokens
@@ -284,25 +286,30 @@ def collate_packed(units: list[PackedTree], pad_id: int, align: int = 1) -> Pack
     pos.append(np.zeros(pad, np.int64))
     pred.append(np.full(pad, -1, np.int64))
     end.append(np.arange(tokens + 1, total + 1, dtype=np.int64))  # padding sees itself only
-    pred_all = np.concatenate(pred)
-    cat = lambda name: np.concatenate([getattr(u, name)[s] for u, s in zip(units, sel)]) \
-        if units else np.zeros(0)  # noqa: E731
-    picked = np.concatenate([s + o for s, o in zip(sel, np.cumsum(
-        [0] + [u.num_tokens for u in units])[:-1])]) if units else np.zeros(0, np.int64)
-    f32 = lambda name: torch.from_numpy(cat(name).astype(np.float32))  # noqa: E731
-    all_ids = np.concatenate(ids)
+    pred_all, all_ids = np.concatenate(pred), np.concatenate(ids)
+    picked = np.concatenate(sel) if units else np.zeros(0, np.int64)
+
+    def cat(k: int, dtype) -> torch.Tensor:  # the k-th copy array of every unit
+        return torch.from_numpy(np.concatenate([c[k] for c in copies]).astype(dtype)
+                                if units else np.zeros(0, dtype))
+
+    def f32(name: str) -> torch.Tensor:  # a per-node array at the targets
+        return torch.from_numpy(np.concatenate([getattr(u, name)[p] for u, p in zip(
+            units, local)]).astype(np.float32) if units else np.zeros(0, np.float32))
+
     return PackedBatch(
         input_ids=torch.from_numpy(all_ids)[None], position_ids=torch.from_numpy(
             np.concatenate(pos))[None], pred=pred_all, end=np.concatenate(end),
         ctx=torch.from_numpy(pred_all[picked].astype(np.int64)),
         targets=torch.from_numpy(all_ids[picked].astype(np.int64)),
-        count=f32("count"), mp=f32("mp"), mn=f32("mn"), mz=f32("mz"), ap=f32("ap"), an=f32("an"),
-        behaviour=f32("mu"), tokens=tokens, leaf_tokens=sum(u.leaf_tokens for u in units),
+        count=f32("count"), behaviour=f32("mu"), copy_target=cat(0, np.int64),
+        copy_seq=cat(1, np.int64), copy_m=cat(2, np.float32), copy_adv=cat(3, np.float32),
+        tokens=tokens, leaf_tokens=sum(u.leaf_tokens for u in units),
         kept_apart=sum(u.kept_apart for u in units))
 
 
 def pad_targets(batch: PackedBatch, k: int) -> PackedBatch:
-    """The batch with dummy targets (position 0, token 0, weight 0) up to ``k``: under
+    """The batch with dummy targets (position 0, token 0, no copy) up to ``k``: under
     ZeRO-3 every rank must call the output layer as often (once per log-prob chunk), so
     the ranks agree on the target count of each micro-batch."""
     extra = k - batch.ctx.shape[0]
@@ -312,5 +319,5 @@ def pad_targets(batch: PackedBatch, k: int) -> PackedBatch:
     def grow(t: torch.Tensor) -> torch.Tensor:
         return torch.cat([t, t.new_zeros(extra)])
 
-    names = ("ctx", "targets", "count", "mp", "mn", "mz", "ap", "an", "behaviour")
+    names = ("ctx", "targets", "count", "behaviour")
     return replace(batch, **{n: grow(getattr(batch, n)) for n in names})

@@ -1,6 +1,6 @@
 """The frozen reference policy of the KL term (``learner.loss.kl_coef > 0``).
 
-The loss adds kl_coef * k3(pi_theta || pi_ref) per model token (learner/losses.py,
+The loss adds kl_coef * k3(pi_theta || pi_ref) per model token (learner/losses/base.py,
 ``kl_k3``); pi_ref is the policy the RL stage started from: the weights at
 ``model.path``, loaded once and never updated (a resumed learner loads the same files, so
 its reference is the run's initial policy, not the checkpoint's).

@@ -60,7 +60,8 @@ def padded_step_loss(model, batch: Batch, settings, temperature: float, normalis
                                    chunk)
     inputs = LossInputs(
         logprobs=logp, behaviour_logprobs=batch.behaviour, proximal_logprobs=proximal,
-        advantages=batch.advantages, loss_mask=batch.weight, ref_logprobs=ref, entropy=entropy)
+        advantages=batch.advantages, loss_mask=batch.weight, ref_logprobs=ref, entropy=entropy,
+        seq_ids=batch.seq_ids)
     return policy_loss(inputs, settings, normaliser=normaliser,
                        entropy_stats=batch_entropy_stats)
 
@@ -70,7 +71,7 @@ class PaddedStrategy:
 
     def __init__(self, cfg, pad_id: int, device: torch.device):
         self.count, self.pad_id, self.device = cfg.learner.micro_batches, pad_id, device
-        self.settings, self.temperature = cfg.learner.loss.settings(), cfg.sampling.temperature
+        self.settings, self.temperature = cfg.learner.loss, cfg.sampling.temperature
         # Under ZeRO-3 on several ranks every call of the output layer is a collective, and
         # padded ranks hold different numbers of positions: one call per micro-batch.
         several = cfg.learner.zero_stage == 3 and cfg.learner.world_size > 1
@@ -109,7 +110,7 @@ class PackedStrategy:
         self.cap, self.chunk = lc.max_tokens_per_microbatch, lc.logprob_chunk_tokens
         self.zero3 = lc.zero_stage == 3
         self.pad_id, self.device = pad_id, device
-        self.settings, self.temperature = lc.loss.settings(), cfg.sampling.temperature
+        self.settings, self.temperature = lc.loss, cfg.sampling.temperature
         self.base_attention = TA.enable(model)
         self.attention = TA.resolve(lc.packed_attention, self.packing, device.type,
                                     self.base_attention)

@@ -40,7 +40,7 @@ from arpo_async.core.logits import causal_lm_logprobs
 from learner.batching import LeafSample, balanced_split
 from learner.checkpoint import export_hf, tensors_from_numpy
 from learner.device import model_load_kwargs, prepare_model, setup_device
-from learner.losses import entropy_moments, stats_from_moments
+from learner.losses import entropy_moments, loss_type, stats_from_moments
 from learner.reference import ReferencePolicy
 from learner.strategies import build_strategy
 
@@ -108,7 +108,7 @@ def summarise_steps(steps: list[tuple[dict[str, float], float]]) -> dict[str, fl
 
 @dataclass
 class _BeforeUpdate:
-    totals: list[float]  # trained tokens of each mini-batch, all ranks
+    totals: list[float]  # Z of each mini-batch, all ranks: trained tokens (or sequences)
     proximal: list[list[torch.Tensor]] | None  # [mini-batch][micro-batch], recompute mode
     ref: list[list[torch.Tensor]] | None  # reference log-probs, kl_coef > 0
     entropy_stats: tuple[float, float] | None  # whole batch, aepo_entropy_adv_gamma != 0
@@ -133,7 +133,8 @@ class PolicyTrainer:
                                   weight_decay=cfg.learner.weight_decay)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optim, config=deepspeed_config(cfg, self.micro_batches))
-        self.loss_settings = cfg.learner.loss.settings()
+        self.loss_settings = cfg.learner.loss
+        self.loss_unit = loss_type(self.loss_settings).unit  # what the loss's Z counts
         self.zero3 = cfg.learner.zero_stage == 3
         self.minibatches, self.ppo_epochs = cfg.learner.minibatches, cfg.learner.ppo_epochs
         self.last_steps: list[dict[str, float]] = []  # the last batch's per-step metrics
@@ -173,8 +174,9 @@ class PolicyTrainer:
         pass over every micro-batch, no gradient): the proximal log-probs (recompute
         mode: kept for all mini-batch steps, so the clips act from the second on), the
         reference log-probs (KL), the trained-token count of each mini-batch over all
-        ranks, and the entropy mean and std over the whole batch, every micro-batch and
-        rank (AEPO's entropy-aware advantage)."""
+        ranks (or its sequences, for a sequence-level loss), and the entropy mean and std
+        over the whole batch, every micro-batch and rank (AEPO's entropy-aware
+        advantage)."""
         s = self.loss_settings
         recompute = self.cfg.learner.loss.proximal == "recompute"
         want_ent = s.aepo_entropy_adv_gamma != 0.0
@@ -192,9 +194,11 @@ class PolicyTrainer:
             if ref is not None:  # the frozen reference, on the same micro-batches
                 ref.append([self.strategy.logprobs(self.reference.engine, b, False)[0]
                             for b in mbs])
-        # one all-reduce: per mini-batch trained tokens, then the entropy moments
-        # (on the device: NCCL reduces only GPU tensors)
-        vec = torch.tensor([sum(b.num_weighted for b in mbs) for mbs in batches]
+        # one all-reduce: per mini-batch trained tokens or sequences (the loss's unit),
+        # then the entropy moments (on the device: NCCL reduces only GPU tensors)
+        size = (lambda b: b.num_weighted) if self.loss_unit == "token" \
+            else (lambda b: b.num_sequences)
+        vec = torch.tensor([sum(size(b) for b in mbs) for mbs in batches]
                            + moments.tolist(), dtype=torch.float64, device=self.device)
         if dist.is_initialized():
             dist.all_reduce(vec)
@@ -212,8 +216,8 @@ class PolicyTrainer:
 
     def _accumulate(self, batches: list, loss_of, total: float
                     ) -> tuple[dict[str, float], float]:
-        """Backward each micro-batch's share of the mini-batch's token-mean loss
-        (``loss_of(i, batch, total)``, ``total`` the loss-weighted tokens over all ranks),
+        """Backward each micro-batch's share of the mini-batch's mean loss
+        (``loss_of(i, batch, total)``, ``total`` the loss's Z over all ranks),
         then one optimizer step; (the loss metrics averaged over this rank's weighted
         tokens, those tokens). ``loss`` and ``pg_loss`` are summed instead: this rank's
         share of the mini-batch's token-mean loss (with one rank, that loss)."""

@@ -118,7 +118,7 @@ def _group(rng, vocab: int):
 def check_packed(model_dir: Path, device: str) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from arpo_async.core.loss_settings import LossSettings
+    from arpo_async.core.config import PPOLoss
     from learner import tree_attention as TA
     from learner.batching import collate, samples_from_groups
     from learner.device import to_device
@@ -132,7 +132,7 @@ def check_packed(model_dir: Path, device: str) -> dict:
     TA.enable(model)
     samples, _ = samples_from_groups([_group(np.random.default_rng(0), 151643)], "soft")
     total = sum(float(s.weight.sum()) for s in samples)
-    s = LossSettings(dual_clip=3.0)
+    s = PPOLoss(dual_clip=3.0)
     head = model.get_output_embeddings().weight
     padded = to_device(collate(samples, 0), torch.device(device))
     ref, _ = padded_step_loss(model, padded, s, 1.0, total)

@@ -1,7 +1,7 @@
 """AEPO's entropy-aware advantage standardises H over the whole step's batch: moments
 (sum, sum of squares, count) of any split of the tokens (micro-batches, ranks) add up to
 the batch's, and the loss of the parts with those statistics adds up to the one-batch
-loss; per-part statistics would not (learner/losses.py, learner/trainer.py)."""
+loss; per-part statistics would not (learner/losses/, learner/trainer.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from arpo_async.core.loss_settings import LossSettings
+from arpo_async.core.config import PPOLoss
 from learner.losses import LossInputs, entropy_moments, policy_loss, stats_from_moments
 
 
@@ -48,7 +48,7 @@ def test_moments_of_parts_add_up_to_the_batch():
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_split_loss_with_batch_statistics_equals_one_batch(seed):
     b = _batch(seed)
-    s = LossSettings(aepo_entropy_adv_gamma=0.2, aepo_entropy_clip=True, dual_clip=3.0)
+    s = PPOLoss(aepo_entropy_adv_gamma=0.2, aepo_entropy_clip=True, dual_clip=3.0)
     full = policy_loss(_inputs(b, 0, 60), s)[0].detach()
     moments = sum(entropy_moments(torch.tensor(b["ent"][lo:hi]),
                                   torch.tensor(b["mask"][lo:hi] > 0)) for lo, hi in SPLITS)

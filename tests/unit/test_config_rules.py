@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from arpo_async.core.config import SPINE_CONFIG, ConfigError, load_config
+from arpo_async.core.config import SPINE_CONFIG, ConfigError, describe, load_config
 
 
 @pytest.mark.parametrize(("overrides", "needle"), [
@@ -14,7 +14,7 @@ from arpo_async.core.config import SPINE_CONFIG, ConfigError, load_config
     (["sampling.top_p=0.9"], "sampling.top_p=0.9: the actor records log-probs renormalised"),
     (["sampling.top_p=0.9", "learner.loss.is_mode=off", "learner.loss.proximal=recompute"],
      "sampling.top_p=0.9"),
-    (["learner.loss.dual_clip=0.5"], "learner.loss: dual_clip must be 0 (off) or > 1, got 0.5"),
+    (["learner.loss.dual_clip=0.5"], "learner.loss.dual_clip: must be 0 (off) or > 1, got 0.5"),
 ])
 def test_refused_in_one_line_naming_the_key(overrides, needle):
     with pytest.raises(ConfigError) as err:
@@ -77,23 +77,33 @@ def test_reference_estimator_reads_the_authors_top_10_only(k):
     assert load_config(SPINE_CONFIG, ["sampling.logprobs_topk=5"]).sampling.logprobs_topk == 5
 
 
-def test_loss_keys_and_the_loss_settings_agree():
-    """learner.loss declares each LossSettings field with the same type and default (and
-    a description), so no knob of the loss lacks its key or differs in its default."""
-    import dataclasses
-    import typing
+def test_each_loss_type_has_its_settings_and_its_function():
+    """A loss type's keys are declared once (its class in config/losses.py, each with a
+    description) and its function is registered under the same name."""
+    from arpo_async.core.config import LOSS_TYPES
+    from learner.losses import LOSSES
 
-    from arpo_async.core.config import LossConfig
-    from arpo_async.core.loss_settings import LossSettings
+    assert set(LOSS_TYPES) == set(LOSSES)
+    for kind, cls in LOSS_TYPES.items():
+        assert cls.model_fields["type"].default == kind
+        for name, field in cls.model_fields.items():
+            assert field.description, f"learner.loss.{name} ({kind}) has no description"
 
-    hints = typing.get_type_hints(LossSettings)
-    for f in dataclasses.fields(LossSettings):
-        key = LossConfig.model_fields.get(f.name)
-        assert key is not None, f"learner.loss.{f.name} is not declared"
-        assert key.default == f.default and key.annotation == hints[f.name], f.name
-        assert key.description, f.name
-    extra = set(LossConfig.model_fields) - {f.name for f in dataclasses.fields(LossSettings)}
-    assert extra == {"proximal", "advantage"}  # read by the learner around the loss
+
+def test_the_loss_type_is_chosen_by_type_and_defaults_to_ppo():
+    from arpo_async.core.config import LOSS_TYPES
+
+    assert load_config(SPINE_CONFIG).learner.loss.type == "ppo"
+    for kind in LOSS_TYPES:
+        assert load_config(SPINE_CONFIG, [f"learner.loss.type={kind}"]).learner.loss.type == kind
+    with pytest.raises(ConfigError, match=r"learner.loss.type: 'nope' is not a loss type"):
+        load_config(SPINE_CONFIG, ["learner.loss.type=nope"])
+    with pytest.raises(ConfigError, match=r"^learner.loss.eps_hgh: unknown key$"):
+        load_config(SPINE_CONFIG, ["learner.loss.eps_hgh=0.3"])
+    with pytest.raises(ConfigError, match=r"^learner.loss.is_cap: Input should be greater"):
+        load_config(SPINE_CONFIG, ["learner.loss.is_cap=0"])
+    lines = "\n".join(describe())
+    assert "learner.loss.type = 'ppo'" in lines and "learner.loss.is_mode" in lines
 
 
 def test_each_wait_and_backoff_has_its_own_key():

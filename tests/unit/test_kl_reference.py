@@ -1,4 +1,4 @@
-"""The KL term's k3 estimator as verl's ``low_var_kl`` computes it (learner/losses.py
+"""The KL term's k3 estimator as verl's ``low_var_kl`` computes it (learner/losses/base.py
 ``kl_k3``): hand values, the two clamps (log-ratio to [-20, 20] before exp, k3 to
 [-10, 10]) and what they do to the gradient, and the term inside the policy loss."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from arpo_async.core.loss_settings import LossSettings
+from arpo_async.core.config import PPOLoss
 from learner.losses import KL_LIMIT, LOG_RATIO_LIMIT, LossInputs, kl_k3, policy_loss
 
 
@@ -52,7 +52,7 @@ def test_kl_term_in_the_loss_is_finite_where_masked():
     inp = LossInputs(logprobs=logpi, behaviour_logprobs=_t([-1.0, 0.0, -2.0]),
                      proximal_logprobs=None, advantages=_t([0.0, 0.0, 0.0]),
                      loss_mask=_t([1.0, 0.0, 1.0]), ref_logprobs=_t([-1.5, 1e30, -2.0]))
-    loss, m = policy_loss(inp, LossSettings(kl_coef=0.1))
+    loss, m = policy_loss(inp, PPOLoss(kl_coef=0.1))
     k3 = math.exp(-0.5) + 0.5 - 1  # first token; the third has ref == logpi
     assert float(loss.detach()) == pytest.approx(0.1 * k3 / 2)
     assert m["kl"] == pytest.approx(k3 / 2)

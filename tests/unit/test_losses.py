@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from arpo_async.core.config import LossConfig
-from learner.losses import LossInputs, LossSettings, policy_loss
+from arpo_async.core.config import PPOLoss, config_from_dict
+from learner.losses import LossInputs, policy_loss
 
 
 def _inputs(logpi, mu, adv, mask=None, prox=None, ref=None, ent=None):
@@ -44,7 +44,7 @@ A = [1.0, 1.0, -1.0, -1.0]
 
 def test_ppo_hand_values():
     inp = _inputs([math.log(r) for r in R], [0.0] * 4, A)
-    loss, m = policy_loss(inp, LossSettings(eps_low=0.2, eps_high=0.28))
+    loss, m = policy_loss(inp, PPOLoss(eps_low=0.2, eps_high=0.28))
     # objectives: 1, min(1.5, 1.28) = 1.28, min(-0.5, -0.8) = -0.8, -1.1
     assert _v(loss) == pytest.approx(-(1 + 1.28 - 0.8 - 1.1) / 4)
     np.testing.assert_allclose(_grad(loss, inp), [-0.25, 0, 0, 1.1 / 4], atol=1e-12)
@@ -55,7 +55,7 @@ def test_ppo_hand_values():
 
 def test_aepo_entropy_balanced_clip_hand_values():
     inp = _inputs([math.log(r) for r in R], [0.0] * 4, A)
-    loss, _ = policy_loss(inp, LossSettings(eps_high=0.28, aepo_entropy_clip=True))
+    loss, _ = policy_loss(inp, PPOLoss(eps_high=0.28, aepo_entropy_clip=True))
     assert _v(loss) == pytest.approx(-(1 + 1.28 - 0.8 - 1.1) / 4)  # value unchanged
     # token 1 (A > 0, r = 1.5 > 1.28) now passes gradient (1.28 / sg(r)) * r -> 1.28
     np.testing.assert_allclose(_grad(loss, inp), [-0.25, -1.28 / 4, 0, 1.1 / 4], atol=1e-12)
@@ -63,7 +63,7 @@ def test_aepo_entropy_balanced_clip_hand_values():
 
 def test_dual_clip_hand_values():
     inp = _inputs([math.log(4.0), math.log(2.0)], [0.0, 0.0], [-1.0, -1.0])
-    loss, m = policy_loss(inp, LossSettings(eps_high=0.28, dual_clip=3.0))
+    loss, m = policy_loss(inp, PPOLoss(eps_high=0.28, dual_clip=3.0))
     # token 0: min(-4, -1.28) = -4 -> max(-4, -3) = -3 (no grad); token 1: -2 (r A)
     assert _v(loss) == pytest.approx(-(-3 - 2) / 2)
     np.testing.assert_allclose(_grad(loss, inp), [0.0, 2.0 / 2], atol=1e-12)
@@ -75,14 +75,14 @@ def test_truncated_and_masked_importance_weights_hand_values():
     prox = [0.0, 0.0]
     mu = [-math.log(3.0), -math.log(1.5)]
     inp = _inputs([0.0, 0.0], mu, [1.0, 1.0], prox=prox)
-    loss, m = policy_loss(inp, LossSettings(is_mode="truncate", is_cap=2.0))
+    loss, m = policy_loss(inp, PPOLoss(is_mode="truncate", is_cap=2.0))
     assert _v(loss) == pytest.approx(-(2.0 + 1.5) / 2)
     assert m["is_weight_max"] == pytest.approx(2.0) and m["is_truncated_frac"] == 0.5
     assert m["is_raw_weight_max"] == pytest.approx(3.0)
-    loss, m = policy_loss(inp, LossSettings(is_mode="mask", is_mask_low=0.5, is_mask_high=2.0))
+    loss, m = policy_loss(inp, PPOLoss(is_mode="mask", is_mask_low=0.5, is_mask_high=2.0))
     assert _v(loss) == pytest.approx(-(0.0 + 1.0) / 2)  # masked token stays in Z
     assert m["is_masked_frac"] == 0.5
-    loss, _ = policy_loss(inp, LossSettings(is_mode="off"))
+    loss, _ = policy_loss(inp, PPOLoss(is_mode="off"))
     assert _v(loss) == pytest.approx(-1.0)
 
 
@@ -90,7 +90,7 @@ def test_kl_and_entropy_terms_hand_values():
     ent = torch.tensor([0.5, 1.5], dtype=torch.float64, requires_grad=True)
     inp = _inputs([0.0, 0.0], [0.0, 0.0], [0.0, 0.0], ref=[math.log(2.0), 0.0])
     inp.entropy = ent
-    loss, m = policy_loss(inp, LossSettings(kl_coef=0.1, entropy_coef=0.01))
+    loss, m = policy_loss(inp, PPOLoss(kl_coef=0.1, entropy_coef=0.01))
     k3 = 2.0 - math.log(2.0) - 1.0
     assert m["kl"] == pytest.approx(k3 / 2) and m["entropy"] == pytest.approx(1.0)
     assert _v(loss) == pytest.approx(0.1 * k3 / 2 - 0.01 * 1.0)
@@ -101,9 +101,9 @@ def test_kl_and_entropy_terms_hand_values():
 def test_entropy_aware_advantage_hand_values():
     # H = (0, 1, 2): mean 1, sample std 1, z = (-1, 0, 1); gamma 0.2 -> A * (0.8, 1, 1.2)
     inp = _inputs([0.0] * 3, [0.0] * 3, [1.0, 1.0, -1.0], ent=[0.0, 1.0, 2.0])
-    loss, _ = policy_loss(inp, LossSettings(aepo_entropy_adv_gamma=0.2))
+    loss, _ = policy_loss(inp, PPOLoss(aepo_entropy_adv_gamma=0.2))
     assert _v(loss) == pytest.approx(-(0.8 + 1.0 - 1.2) / 3)
-    loss, _ = policy_loss(inp, LossSettings(aepo_entropy_adv_gamma=0.2),
+    loss, _ = policy_loss(inp, PPOLoss(aepo_entropy_adv_gamma=0.2),
                           entropy_stats=(0.0, 2.0))  # z = (0, .5, 1)
     assert _v(loss) == pytest.approx(-(1.0 + 1.1 - 1.2) / 3)
 
@@ -111,26 +111,27 @@ def test_entropy_aware_advantage_hand_values():
 def test_errors_name_the_field():
     inp = _inputs([0.0, 0.0], [0.0], [1.0, 1.0])
     with pytest.raises(ValueError, match="behaviour_logprobs: shape"):
-        policy_loss(inp, LossSettings())
+        policy_loss(inp, PPOLoss())
     inp = _inputs([0.0], [0.0], [1.0])
     with pytest.raises(ValueError, match="ref_logprobs"):
-        policy_loss(inp, LossSettings(kl_coef=0.1))
+        policy_loss(inp, PPOLoss(kl_coef=0.1))
     with pytest.raises(ValueError, match="entropy"):
-        policy_loss(inp, LossSettings(aepo_entropy_adv_gamma=0.2))
+        policy_loss(inp, PPOLoss(aepo_entropy_adv_gamma=0.2))
     inp.entropy = torch.zeros(1, dtype=torch.float64)
     with pytest.raises(ValueError, match="no gradient"):
-        policy_loss(inp, LossSettings(entropy_coef=0.1))
+        policy_loss(inp, PPOLoss(entropy_coef=0.1))
     with pytest.raises(ValueError, match="normaliser"):
-        policy_loss(inp, LossSettings(), normaliser=0)
+        policy_loss(inp, PPOLoss(), normaliser=0)
     with pytest.raises(ValueError, match="dual_clip"):
-        LossSettings(dual_clip=0.5)
+        PPOLoss(dual_clip=0.5)
     with pytest.raises(ValueError, match="is_mode"):
-        LossSettings(is_mode="clip")
+        PPOLoss(is_mode="clip")
 
 
 def test_from_config_and_empty_mask():
-    s = LossConfig(dual_clip=3.0, aepo_entropy_clip=True).settings()
-    assert s.dual_clip == 3.0 and s.aepo_entropy_clip and s.eps_high == 0.28
+    s = config_from_dict({"learner": {"loss": {"dual_clip": 3.0, "aepo_entropy_clip": True}}}
+                         ).learner.loss
+    assert s.type == "ppo" and s.dual_clip == 3.0 and s.aepo_entropy_clip and s.eps_high == 0.28
     inp = _inputs([0.3, -0.2], [0.0, 0.0], [1.0, -1.0], mask=[0.0, 0.0])
     loss, m = policy_loss(inp, s)
     assert _v(loss) == 0.0 and m["tokens"] == 0.0
@@ -141,7 +142,7 @@ def test_garbage_at_masked_positions_stays_out_of_loss_and_gradient():
     # Tool/padding positions: behaviour log-prob 0 by protocol, anything in ref/advantage.
     inp = _inputs([-1.0, -3.0, -2.0], [-1.1, 0.0, -2.2], [0.5, 1e6, -0.3],
                   mask=[1.0, 0.0, 1.0], prox=[-1.0, 500.0, -2.0], ref=[-1.0, 1e4, -2.0])
-    s = LossSettings(kl_coef=0.1, dual_clip=3.0)
+    s = PPOLoss(kl_coef=0.1, dual_clip=3.0)
     loss, m = policy_loss(inp, s)
     clean = _inputs([-1.0, -2.0], [-1.1, -2.2], [0.5, -0.3], prox=[-1.0, -2.0],
                     ref=[-1.0, -2.0])
@@ -153,7 +154,7 @@ def test_garbage_at_masked_positions_stays_out_of_loss_and_gradient():
 
 # ----------------------------------------------------------------------------- reference
 
-def _reference(logpi, mu, prox, adv, mask, ref, ent, s: LossSettings, norm=None):
+def _reference(logpi, mu, prox, adv, mask, ref, ent, s: PPOLoss, norm=None):
     """Per-token loop straight from the formula, on 0-d tensors so autograd follows."""
     prox = mu if prox is None else prox
     sel = [float(ent[t].detach()) for t in range(len(mask)) if mask[t] > 0]
@@ -200,7 +201,7 @@ def test_matches_per_token_reference(seed, n, is_mode, aepo_clip, dual, gamma, k
     logpi = (mu if bypass else prox) + g.normal(0, 0.5, n)
     adv, mask = g.normal(0, 1, n), (g.random(n) < 0.8).astype(float)
     ref, ent = mu + g.normal(0, 0.3, n), g.random(n) * 3
-    s = LossSettings(is_mode=is_mode, aepo_entropy_clip=aepo_clip, dual_clip=dual,
+    s = PPOLoss(is_mode=is_mode, aepo_entropy_clip=aepo_clip, dual_clip=dual,
                      aepo_entropy_adv_gamma=gamma, kl_coef=kl, entropy_coef=0.01)
     inp = _inputs(logpi.tolist(), mu.tolist(), adv.tolist(), mask.tolist(),
                   None if prox is None else prox.tolist(), ref.tolist(), None)
@@ -242,7 +243,7 @@ def test_lockstep_reduces_to_ppo_grpo(seed, n, start, is_mode):
     logpi = old.copy() if start else old + g.normal(0, 0.4, n)
     adv, mask = g.normal(0, 1, n), np.ones(n)
     inp = _inputs(logpi.tolist(), old.tolist(), adv.tolist(), mask.tolist(), prox=old.tolist())
-    loss, m = policy_loss(inp, LossSettings(eps_low=0.2, eps_high=0.28, is_mode=is_mode))
+    loss, m = policy_loss(inp, PPOLoss(eps_low=0.2, eps_high=0.28, is_mode=is_mode))
     want_loss, want_grad = _ppo_numpy(logpi, old, adv, mask, 0.2, 0.28)
     assert _v(loss) == pytest.approx(want_loss, abs=1e-10)
     np.testing.assert_allclose(_grad(loss, inp), want_grad, atol=1e-10)
@@ -257,7 +258,7 @@ def test_bypass_equals_recompute_when_prox_is_mu(seed, n):
     g = np.random.default_rng(seed)
     mu, adv = g.normal(-2, 1, n), g.normal(0, 1, n)
     logpi = mu + g.normal(0, 0.5, n)
-    s = LossSettings(dual_clip=3.0)
+    s = PPOLoss(dual_clip=3.0)
     a = _inputs(logpi.tolist(), mu.tolist(), adv.tolist())
     b = _inputs(logpi.tolist(), mu.tolist(), adv.tolist(), prox=mu.tolist())
     (la, ma), (lb, mb) = policy_loss(a, s), policy_loss(b, s)
@@ -272,7 +273,7 @@ def test_entropy_clip_keeps_value_and_revives_clipped_gradients(seed, n):
     old, adv = g.normal(-2, 1, n), np.abs(g.normal(0, 1, n)) + 0.1
     logpi = old + g.uniform(0.0, 0.8, n)
     logpi[0] = old[0] + 0.5  # at least one A > 0 token with r = 1.65 > 1.28
-    plain, aepo = LossSettings(eps_high=0.28), LossSettings(eps_high=0.28, aepo_entropy_clip=True)
+    plain, aepo = PPOLoss(eps_high=0.28), PPOLoss(eps_high=0.28, aepo_entropy_clip=True)
     a = _inputs(logpi.tolist(), old.tolist(), adv.tolist())
     b = _inputs(logpi.tolist(), old.tolist(), adv.tolist())
     (la, _), (lb, _) = policy_loss(a, plain), policy_loss(b, aepo)
@@ -294,9 +295,9 @@ def test_mask_mode_masks_exactly_the_out_of_range_tokens(seed, n):
     raw = np.exp(prox - mu)
     out = (raw < 0.5) | (raw > 2.0)
     inp = _inputs(logpi.tolist(), mu.tolist(), adv.tolist(), prox=prox.tolist())
-    loss, m = policy_loss(inp, LossSettings(is_mode="mask", is_mask_low=0.5, is_mask_high=2.0))
+    loss, m = policy_loss(inp, PPOLoss(is_mode="mask", is_mask_low=0.5, is_mask_high=2.0))
     off = _inputs(logpi.tolist(), mu.tolist(), adv.tolist(), prox=prox.tolist())
-    loss_off, _ = policy_loss(off, LossSettings(is_mode="off"))
+    loss_off, _ = policy_loss(off, PPOLoss(is_mode="off"))
     g_mask, g_off = _grad(loss, inp), _grad(loss_off, off)
     assert np.all(g_mask[out] == 0)
     np.testing.assert_allclose(g_mask[~out], g_off[~out])
@@ -310,7 +311,7 @@ def test_micro_batches_add_up_to_the_batch():
     prox = mu + g.normal(0, 0.2, n)
     logpi = prox + g.normal(0, 0.3, n)
     mask, ent = (g.random(n) < 0.7).astype(float), g.random(n)
-    s = LossSettings(aepo_entropy_adv_gamma=0.2, aepo_entropy_clip=True, dual_clip=3.0)
+    s = PPOLoss(aepo_entropy_adv_gamma=0.2, aepo_entropy_clip=True, dual_clip=3.0)
     full = _inputs(logpi.tolist(), mu.tolist(), adv.tolist(), mask.tolist(), prox.tolist(),
                    ent=ent.tolist())
     loss_full, _ = policy_loss(full, s)

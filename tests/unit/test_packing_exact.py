@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from arpo_async.core.loss_settings import LossSettings
+from arpo_async.core.config import PPOLoss
 from arpo_async.core.protocol import Trajectory, TrajectoryGroup
 from learner import tree_attention as TA
 from learner.batching import balanced_split, collate, samples_from_groups
@@ -105,20 +105,20 @@ def groups(draw, max_groups: int = 3):
 
 
 SETTINGS = [
-    ("soft", "bypass", LossSettings()),
-    ("hard", "bypass", LossSettings()),
-    ("soft", "recompute", LossSettings(is_mode="truncate", is_cap=1.5)),
-    ("hard", "recompute", LossSettings(is_mode="mask", is_mask_low=0.8, is_mask_high=1.2)),
-    ("soft", "recompute", LossSettings(is_mode="off", dual_clip=3.0)),
-    ("soft", "bypass", LossSettings(dual_clip=2.0, aepo_entropy_clip=True)),
-    ("hard", "bypass", LossSettings(aepo_entropy_adv_gamma=0.5, entropy_coef=0.01)),
-    ("soft", "recompute", LossSettings(aepo_entropy_clip=True, aepo_entropy_adv_gamma=-0.3,
+    ("soft", "bypass", PPOLoss()),
+    ("hard", "bypass", PPOLoss()),
+    ("soft", "recompute", PPOLoss(is_mode="truncate", is_cap=1.5)),
+    ("hard", "recompute", PPOLoss(is_mode="mask", is_mask_low=0.8, is_mask_high=1.2)),
+    ("soft", "recompute", PPOLoss(is_mode="off", dual_clip=3.0)),
+    ("soft", "bypass", PPOLoss(dual_clip=2.0, aepo_entropy_clip=True)),
+    ("hard", "bypass", PPOLoss(aepo_entropy_adv_gamma=0.5, entropy_coef=0.01)),
+    ("soft", "recompute", PPOLoss(aepo_entropy_clip=True, aepo_entropy_adv_gamma=-0.3,
                                        eps_low=0.1, eps_high=0.1)),
 ]
 
 
 # ----------------------------------------------------------------------------- the two paths
-def reference(model, samples, s: LossSettings, proximal: str, total: float):
+def reference(model, samples, s: PPOLoss, proximal: str, total: float):
     """learner.packing = padded: one micro-batch of right-padded rows."""
     batch = collate(samples, PAD)
     prox = None
@@ -128,7 +128,7 @@ def reference(model, samples, s: LossSettings, proximal: str, total: float):
     return padded_step_loss(model, batch, s, 1.0, total, prox)
 
 
-def packed(model, units, s: LossSettings, proximal: str, total: float, backend: str,
+def packed(model, units, s: PPOLoss, proximal: str, total: float, backend: str,
            chunk: int):
     batch = collate_packed(units, PAD)
     base = "eager" if model.config._attn_implementation.endswith("eager") else "sdpa"
@@ -188,7 +188,7 @@ def test_tree_equals_padded(case, gs):
 @FAST
 @given(gs=groups())
 def test_backends_equal_padded(packing, backend, chunk, attn, gs):
-    check(gs, "soft", "recompute", LossSettings(dual_clip=3.0), packing, backend, chunk, attn)
+    check(gs, "soft", "recompute", PPOLoss(dual_clip=3.0), packing, backend, chunk, attn)
 
 
 @settings(max_examples=8, deadline=None, derandomize=True,
@@ -198,7 +198,7 @@ def test_microbatches_and_ranks_sum_to_the_whole(gs, parts):
     """Micro-batches (split_bins) and a two-rank split (balanced_split, whole groups per
     rank) each give parts whose losses and gradients add up to the one-batch result."""
     model = tiny_model()
-    s = LossSettings(dual_clip=3.0)
+    s = PPOLoss(dual_clip=3.0)
     samples, _ = samples_from_groups(gs, "hard")
     total = max(sum(float(x.weight.sum()) for x in samples), 1.0)
     ref = reference(model, samples, s, "bypass", total)
@@ -229,7 +229,7 @@ def test_behaviour_disagreement_is_kept_apart():
     samples, _ = samples_from_groups([g], "soft")
     (unit,) = build_units(samples, "tree")
     assert unit.kept_apart == 1 and unit.num_tokens == 2 + 4 + 2
-    check([g], "soft", "bypass", LossSettings())
+    check([g], "soft", "bypass", PPOLoss())
 
 
 def test_layout_positions_and_mask():
@@ -250,4 +250,7 @@ def test_layout_positions_and_mask():
     assert mask[4].tolist() == [True] * 5 + [False] * 3
     # the shared token 5 is one target with both leaves' weight; 6 and 9 follow from it
     assert batch.ctx.tolist() == [1, 2, 3, 2, 5, 6]
-    assert (batch.mp + batch.mn + batch.mz).tolist() == [2, 1, 1, 1, 1, 1]
+    assert batch.count.tolist() == [2, 1, 1, 1, 1, 1]
+    # the loss sees every trained copy: the shared token once per leaf, each its own leaf
+    assert batch.ctx[batch.copy_target].tolist() == [1, 2, 3, 1, 2, 5, 6]
+    assert batch.copy_seq.tolist() == [0, 0, 0, 1, 1, 1, 1]

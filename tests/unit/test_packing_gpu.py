@@ -11,7 +11,7 @@ import importlib.util
 import pytest
 import torch
 
-from arpo_async.core.loss_settings import LossSettings
+from arpo_async.core.config import PPOLoss
 from learner import tree_attention as TA
 from learner.batching import collate, samples_from_groups
 from learner.device import to_device
@@ -62,7 +62,7 @@ def _grads(model, loss):
 
 
 def _compare(model, packing: str, backend: str, base: str, align: int, tol: float):
-    s = LossSettings(dual_clip=3.0)
+    s = PPOLoss(dual_clip=3.0)
     for gs in _groups():
         samples, _ = samples_from_groups(gs, "soft")
         total = max(sum(float(x.weight.sum()) for x in samples), 1.0)

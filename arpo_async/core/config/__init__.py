@@ -11,6 +11,8 @@ to ``run_dir/config.yaml``; every process reads that file.
 
 from __future__ import annotations
 
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,8 @@ from arpo_async.core.config.actors import (
 )
 from arpo_async.core.config.base import ConfigError, _Section
 from arpo_async.core.config.cluster import ClusterConfig, RemoteActorsConfig, TransportConfig
-from arpo_async.core.config.learner import LearnerConfig, LossConfig
+from arpo_async.core.config.learner import LearnerConfig
+from arpo_async.core.config.losses import LOSS_TYPES, LossConfig, PPOLoss
 from arpo_async.core.config.run import MetricsConfig, ModelConfig, PipelineConfig, RunConfig
 from arpo_async.core.config.tools import (
     McpHttpServer,
@@ -36,7 +39,8 @@ from arpo_async.core.config.tools import (
 from arpo_async.core.files import atomic_write_text
 
 __all__ = [
-    "ActorsConfig", "ClusterConfig", "Config", "ConfigError", "LearnerConfig", "LossConfig",
+    "ActorsConfig", "ClusterConfig", "Config", "ConfigError", "LearnerConfig", "LOSS_TYPES",
+    "LossConfig", "PPOLoss",
     "McpHttpServer", "McpStdioServer", "MetricsConfig", "ModelConfig", "PipelineConfig",
     "RemoteActorsConfig", "RolloutConfig",
     "RunConfig", "SamplingConfig", "SimConfig", "TaskConfig", "ToolsConfig",
@@ -131,7 +135,10 @@ def _set_dotted(tree: dict, dotted: str, raw: str) -> None:
 
 def _format_error(err: ValidationError) -> str:
     first = err.errors()[0]
-    key = ".".join(str(p) for p in first["loc"])
+    # a tagged union puts the member's tag in the path (learner.loss.ppo.eps_low): drop it
+    loc = [p for i, p in enumerate(first["loc"])
+           if not (i and first["loc"][i - 1] == "loss" and p in LOSS_TYPES)]
+    key = ".".join(str(p) for p in loc)
     if not key:  # a cross-field rule: its message names the keys
         return first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
@@ -173,13 +180,33 @@ def save_config(cfg: Config, path: str | Path) -> None:
     atomic_write_text(path, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
 
 
+def _members(ann) -> tuple[type[BaseModel], ...]:
+    """The section classes behind a field: one, the members of a tagged union, or none."""
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return (ann,)
+    if typing.get_origin(ann) is typing.Annotated:
+        ann = typing.get_args(ann)[0]
+    if typing.get_origin(ann) in (typing.Union, types.UnionType):
+        return tuple(a for a in typing.get_args(ann)
+                     if isinstance(a, type) and issubclass(a, BaseModel))
+    return ()
+
+
 def describe(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
-    """One line per field: dotted key, default, description (used by --help)."""
+    """One line per field: dotted key, default, description (used by --help). A tagged
+    union's keys are listed once when every type has them alike, else once per type."""
     lines = []
     for name, field in model.model_fields.items():
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            lines += describe(ann, f"{prefix}{name}.")
+        members = _members(field.annotation)
+        if len(members) == 1:
+            lines += describe(members[0], f"{prefix}{name}.")
+        elif members:
+            per = [describe(m, f"{prefix}{name}.") for m in members]
+            common = [line for line in per[0] if all(line in p for p in per[1:])]
+            lines += common
+            for m, own in zip(members, per):
+                kind = m.model_fields["type"].default
+                lines += [f"{line} [type={kind}]" for line in own if line not in common]
         else:
             default = field.default_factory() if field.default_factory else field.default
             lines.append(f"  {prefix}{name} = {default!r}: {field.description}")

@@ -1,56 +1,13 @@
-"""The learner's sections: ``learner`` and ``learner.loss``."""
+"""The learner's section, ``learner`` (its ``learner.loss`` is in losses.py)."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from arpo_async.core.config.base import _Section
-from arpo_async.core.loss_settings import LossSettings
-
-
-class LossConfig(_Section):
-    """``learner.loss``: the policy loss's knobs (learner/losses.py takes them as a
-    ``LossSettings``, which checks their ranges) and the two the learner reads around it.
-    tests/unit/test_config_rules.py checks that these fields and ``LossSettings`` agree."""
-
-    proximal: Literal["recompute", "bypass"] = Field(
-        "bypass", description="proximal log-probs: learner forward pass, or behaviour log-probs"
-    )
-    advantage: Literal["soft", "hard"] = Field("soft", description="advantage attribution")
-    eps_low: float = Field(0.2, description="PPO clip below 1")
-    eps_high: float = Field(0.28, description="PPO clip above 1")
-    dual_clip: float = Field(
-        0.0, description="dual-clip constant c for A<0 (0: off, else > 1; 3 typical)")
-    is_mode: Literal["truncate", "mask", "off"] = Field(
-        "truncate", description="importance weight: truncated, mask outside [lo, hi], or 1")
-    is_cap: float = Field(2.0, description="C: truncation cap of the IS weight")
-    is_mask_low: float = Field(0.5, description="mask mode: lower bound of exp(prox - mu)")
-    is_mask_high: float = Field(2.0, description="mask mode: upper bound of exp(prox - mu)")
-    kl_coef: float = Field(
-        0.0, description="k3 KL to a frozen copy of the initial weights, loaded on the "
-        "learner when > 0 (0 in ARPO and AEPO)")
-    entropy_coef: float = Field(0.0, description="entropy bonus (0 in ARPO)")
-    aepo_entropy_clip: bool = Field(False, description="AEPO: entropy-balanced clipping")
-    aepo_entropy_adv_gamma: float = Field(
-        0.0, description="AEPO: entropy-aware advantage gamma")
-
-    @field_validator("is_mode", mode="before")
-    @classmethod
-    def _off_is_a_word(cls, value):
-        return "off" if value is False else value  # YAML 1.1 reads a bare `off` as false
-
-    @model_validator(mode="after")
-    def _valid_settings(self):
-        self.settings()  # LossSettings checks its own ranges
-        return self
-
-    def settings(self) -> LossSettings:
-        """The loss function's settings."""
-        names = [f.name for f in dataclasses.fields(LossSettings)]
-        return LossSettings(**{name: getattr(self, name) for name in names})
+from arpo_async.core.config.losses import LossConfig, PPOLoss, loss_section
 
 
 class LearnerConfig(_Section):
@@ -128,7 +85,14 @@ class LearnerConfig(_Section):
         20, ge=0, description="keep every N-th trained group (N in groups; 0: off) as a tree "
         "file under run_dir/trees, the newest 200 files and 64 MiB at most, for "
         "`python -m arpo_async.jobs.analyze trees`")
-    loss: LossConfig = Field(default_factory=LossConfig)
+    loss: LossConfig = Field(default_factory=PPOLoss)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _loss_type(cls, data):
+        if isinstance(data, dict) and "loss" in data:
+            data = {**data, "loss": loss_section(data["loss"])}
+        return data
 
     @model_validator(mode="after")
     def _minibatches_fit(self):

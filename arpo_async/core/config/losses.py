@@ -1,0 +1,98 @@
+"""``learner.loss``: the policy loss, one settings class per loss type, chosen by ``type``.
+
+The keys every loss shares (the proximal policy, advantage attribution, the importance
+weight, KL and entropy terms) are ``_LossBase``'s; each type adds its own. These classes
+are the only declaration of a loss's knobs: the learner hands the validated section to
+the loss function (learner/losses/), which reads the attributes it needs. A new loss type
+is a class here, added to ``LOSS_TYPES``, and its module under learner/losses/
+(docs/extending.md).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import Field, field_validator, model_validator
+
+from arpo_async.core.config.base import _Section
+
+
+class _LossBase(_Section):
+    proximal: Literal["recompute", "bypass"] = Field(
+        "bypass", description="proximal log-probs: learner forward pass, or behaviour log-probs"
+    )
+    advantage: Literal["soft", "hard"] = Field("soft", description="advantage attribution")
+    is_mode: Literal["truncate", "mask", "off"] = Field(
+        "truncate", description="importance weight: truncated, mask outside [lo, hi], or 1")
+    is_cap: float = Field(2.0, gt=0, description="C: truncation cap of the IS weight")
+    is_mask_low: float = Field(
+        0.5, ge=0, description="mask mode: lower bound of exp(prox - mu)")
+    is_mask_high: float = Field(2.0, description="mask mode: upper bound of exp(prox - mu)")
+    kl_coef: float = Field(
+        0.0, description="k3 KL to a frozen copy of the initial weights, loaded on the "
+        "learner when > 0 (0 in ARPO and AEPO)")
+    entropy_coef: float = Field(0.0, description="entropy bonus (0 in ARPO)")
+    aepo_entropy_adv_gamma: float = Field(
+        0.0, description="AEPO: entropy-aware advantage gamma")
+
+    @field_validator("is_mode", mode="before")
+    @classmethod
+    def _off_is_a_word(cls, value):
+        return "off" if value is False else value  # YAML 1.1 reads a bare `off` as false
+
+    @model_validator(mode="after")
+    def _mask_bounds(self):
+        if self.is_mask_low > self.is_mask_high:
+            raise ValueError(f"is_mask_low {self.is_mask_low} > is_mask_high "
+                             f"{self.is_mask_high}")
+        return self
+
+
+class PPOLoss(_LossBase):
+    """Token-level clipped ratio (PPO, with DAPO's asymmetric clip, dual clip and AEPO's
+    entropy-balanced clip): ARPO's and AEPO's loss (learner/losses/ppo.py)."""
+
+    type: Literal["ppo"] = Field("ppo", description="the loss: ppo")
+    eps_low: float = Field(0.2, ge=0, lt=1, description="PPO clip below 1")
+    eps_high: float = Field(0.28, ge=0, description="PPO clip above 1")
+    dual_clip: float = Field(
+        0.0, description="dual-clip constant c for A<0 (0: off, else > 1; 3 typical)")
+    aepo_entropy_clip: bool = Field(False, description="AEPO: entropy-balanced clipping")
+
+    @field_validator("dual_clip")
+    @classmethod
+    def _dual_clip(cls, value: float) -> float:
+        if value != 0.0 and value <= 1.0:
+            raise ValueError(f"must be 0 (off) or > 1, got {value}")
+        return value
+
+
+LOSS_TYPES: dict[str, type[_LossBase]] = {"ppo": PPOLoss}
+
+
+def _tagged(classes: tuple[type[_LossBase], ...]):
+    if len(classes) == 1:
+        return classes[0]
+    return Annotated[Union[classes], Field(discriminator="type")]  # noqa: UP007
+
+
+LossConfig = _tagged(tuple(LOSS_TYPES.values()))
+
+
+def loss_section(raw):
+    """The raw ``learner.loss`` mapping with its ``type`` (``ppo`` when left out); a key
+    of another loss type is refused with both types named."""
+    if not isinstance(raw, dict):
+        return raw
+    kind = raw.get("type", "ppo")
+    cls = LOSS_TYPES.get(kind)
+    if cls is None:
+        raise ValueError(f"learner.loss.type: {kind!r} is not a loss type "
+                         f"({', '.join(sorted(LOSS_TYPES))})")
+    for key in raw:
+        if key not in cls.model_fields:
+            owners = sorted(t for t, c in LOSS_TYPES.items() if key in c.model_fields)
+            if owners:
+                raise ValueError(f"learner.loss.{key}: a key of loss type {', '.join(owners)}, "
+                                 f"not of {kind}")
+    return {**raw, "type": kind}
