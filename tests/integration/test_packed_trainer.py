@@ -2,7 +2,8 @@
 as with padded: one rank (ZeRO-0, two micro-batches asked, more forced by
 max_tokens_per_microbatch) and two gloo ranks under ZeRO-3 (groups split whole over the
 ranks, micro-batch counts agreed between them). Branching groups with tool tokens in the
-shared prefixes, hard attribution, recompute mode and the dual clip."""
+shared prefixes, hard attribution, recompute mode and the dual clip; and GSPO, whose
+normaliser counts sequences, on two ranks."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from learner.batching import balanced_split, samples_from_groups
 from learner.dist import init_distributed
 
 out_dir, model, zero, packing = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+loss_keys = json.loads(sys.argv[5])
 init_distributed()
 import torch.distributed as dist
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -60,8 +62,8 @@ cfg = load_config(SPINE, [f"model.path={model}", f"learner.zero_stage={zero}",
                          f"learner.world_size={world}", "learner.lr=0.001",
                          "learner.micro_batches=2", f"learner.packing={packing}",
                          "learner.max_tokens_per_microbatch=60", "learner.logprob_chunk_tokens=16",
-                         "learner.loss.advantage=hard", "learner.loss.proximal=recompute",
-                         "learner.loss.dual_clip=3.0"])
+                         "learner.loss.advantage=hard", "learner.loss.proximal=recompute"]
+                  + loss_keys)
 from learner.trainer import PolicyTrainer
 torch.manual_seed(0)
 trainer = PolicyTrainer(cfg, model)
@@ -76,18 +78,27 @@ if rank == 0:
 """
 
 
-def _run(tmp: Path, model: Path, zero: int, world: int, packing: str) -> tuple[dict, list]:
-    res = run_ranks(_SCRIPT, [str(tmp), str(model), str(zero), packing], world, 400)
+def _run(tmp: Path, model: Path, zero: int, world: int, packing: str, loss: list[str]
+         ) -> tuple[dict, list]:
+    res = run_ranks(_SCRIPT, [str(tmp), str(model), str(zero), packing, json.dumps(loss)],
+                    world, 400)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-6000:]
     return (dict(np.load(tmp / f"{packing}.npz")),
             json.loads((tmp / f"{packing}.json").read_text()))
 
 
-@pytest.mark.parametrize("world, zero, packings", [(1, 0, ("tree", "flat")), (2, 3, ("tree",))])
-def test_packed_steps_equal_padded_steps(tiny_model_dir, tmp_path, world, zero, packings):
-    ref, ref_metrics = _run(tmp_path, tiny_model_dir, zero, world, "padded")
+PPO = ["learner.loss.dual_clip=3.0"]
+# GSPO: Z counts sequences, all-reduced over the ranks like the token counts
+GSPO = ["learner.loss.type=gspo", "learner.loss.eps_low=0.002", "learner.loss.eps_high=0.002"]
+
+
+@pytest.mark.parametrize("world, zero, packings, loss", [
+    (1, 0, ("tree", "flat"), PPO), (2, 3, ("tree",), PPO), (2, 0, ("tree",), GSPO)],
+    ids=["1rank-ppo", "2ranks-zero3-ppo", "2ranks-gspo"])
+def test_packed_steps_equal_padded_steps(tiny_model_dir, tmp_path, world, zero, packings, loss):
+    ref, ref_metrics = _run(tmp_path, tiny_model_dir, zero, world, "padded", loss)
     for packing in packings:
-        got, metrics = _run(tmp_path, tiny_model_dir, zero, world, packing)
+        got, metrics = _run(tmp_path, tiny_model_dir, zero, world, packing, loss)
         # one rank: the token cap splits the step beyond micro_batches=2
         assert metrics[0]["packing/microbatches"] > (2 if world == 1 else 1)
         assert metrics[0]["packing/tokens"] < metrics[0]["packing/leaf_tokens"] \

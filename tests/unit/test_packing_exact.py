@@ -16,10 +16,12 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from arpo_async.core.config import PPOLoss
+from arpo_async.core.config.losses import GSPOLoss
 from arpo_async.core.protocol import Trajectory, TrajectoryGroup
 from learner import tree_attention as TA
 from learner.batching import balanced_split, collate, samples_from_groups
 from learner.logprobs import packed_forward, packed_step_loss
+from learner.losses import LOSSES
 from learner.packing import build_units, collate_packed, split_bins
 from learner.strategies import padded_forward, padded_step_loss
 
@@ -114,6 +116,8 @@ SETTINGS = [
     ("hard", "bypass", PPOLoss(aepo_entropy_adv_gamma=0.5, entropy_coef=0.01)),
     ("soft", "recompute", PPOLoss(aepo_entropy_clip=True, aepo_entropy_adv_gamma=-0.3,
                                        eps_low=0.1, eps_high=0.1)),
+    ("hard", "recompute", GSPOLoss(eps_low=0.05, eps_high=0.05, is_mode="truncate",
+                                   is_cap=1.02, aepo_entropy_adv_gamma=0.3)),
 ]
 
 
@@ -163,6 +167,8 @@ def check(gs, mode, proximal, s, packing="tree", backend="tiles", chunk=3, attn=
     model = tiny_model(attn)
     samples, _ = samples_from_groups(gs, mode)
     total = max(sum(float(x.weight.sum()) for x in samples), 1.0)
+    if LOSSES[s.type].unit == "sequence":
+        total = max(float(sum(x.weight.sum() > 0 for x in samples)), 1.0)
     ref = reference(model, samples, s, proximal, total)
     ref_grads = grads_of(model, ref[0])
     got = packed(model, build_units(samples, packing), s, proximal, total, backend, chunk)

@@ -67,7 +67,17 @@ class PPOLoss(_LossBase):
         return value
 
 
-LOSS_TYPES: dict[str, type[_LossBase]] = {"ppo": PPOLoss}
+class GSPOLoss(_LossBase):
+    """Sequence-level ratio and clip (GSPO, arXiv 2507.18071; learner/losses/gspo.py)."""
+
+    type: Literal["gspo"] = Field("gspo", description="the loss: gspo")
+    eps_low: float = Field(
+        3e-4, ge=0, lt=1, description="GSPO: clip of the sequence ratio below 1 (paper 3e-4)")
+    eps_high: float = Field(
+        4e-4, ge=0, description="GSPO: clip of the sequence ratio above 1 (paper 4e-4)")
+
+
+LOSS_TYPES: dict[str, type[_LossBase]] = {"ppo": PPOLoss, "gspo": GSPOLoss}
 
 
 def _tagged(classes: tuple[type[_LossBase], ...]):
