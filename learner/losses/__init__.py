@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from learner.losses import gspo, ppo
+from learner.losses import cispo, gspo, ppo
 from learner.losses.base import (KL_LIMIT, LOG_RATIO_LIMIT, LossInputs, LossType, Sequences,
                                  Terms, _f, aggregate, check_inputs, entropy_aware,
                                  entropy_moments, importance_weight, kl_k3, masked_mean,
@@ -19,7 +19,7 @@ from learner.losses.base import (KL_LIMIT, LOG_RATIO_LIMIT, LossInputs, LossType
 __all__ = ["KL_LIMIT", "LOG_RATIO_LIMIT", "LOSSES", "LossInputs", "LossType", "Terms",
            "entropy_moments", "kl_k3", "loss_type", "policy_loss", "stats_from_moments"]
 
-LOSSES: dict[str, LossType] = {"ppo": ppo.LOSS, "gspo": gspo.LOSS}
+LOSSES: dict[str, LossType] = {"ppo": ppo.LOSS, "gspo": gspo.LOSS, "cispo": cispo.LOSS}
 
 
 def loss_type(settings) -> LossType:

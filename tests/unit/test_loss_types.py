@@ -116,8 +116,9 @@ def assert_exact(ref, got):
 
 
 CASES = [(kind, mode, proximal, keys)
-         for kind, keys in [("ppo", {"dual_clip": 3.0}), ("gspo", {"eps_low": 0.05,
-                                                                   "eps_high": 0.05})]
+         for kind, keys in [("ppo", {"dual_clip": 3.0}),
+                            ("gspo", {"eps_low": 0.05, "eps_high": 0.05}),
+                            ("cispo", {"eps_low": 0.02, "eps_high": 0.02})]
          for mode, proximal in [("soft", "bypass"), ("hard", "recompute")]]
 EXACT = settings(max_examples=25, deadline=None, derandomize=True,
                  phases=(Phase.explicit, Phase.reuse, Phase.generate),
@@ -298,3 +299,52 @@ def test_every_registered_type_runs_through_the_driver():
             loss_mask=x[3], seq_ids=rows), loss(kind))
         assert torch.isfinite(value) and metrics["tokens"] == float(x[3].sum()), kind
         assert {"clip_frac_high", "clip_frac_low", "is_weight_mean"} <= set(metrics), kind
+
+
+# ----------------------------------------------------------------------------- CISPO
+def cispo_paper(logpi, mu, adv, mask, eps_low, eps_high):
+    """arXiv 2506.13585 Eq. 4-5: (1 / sum |o_i|) sum_i sum_t sg(clip(r)) A log pi."""
+    r = torch.exp(logpi.detach() - mu).clamp(1 - eps_low, 1 + eps_high)
+    return -(mask * r * adv * logpi).sum() / mask.sum()
+
+
+def cispo_verl(logpi, mu, adv, mask, eps_low, eps_high):
+    """verl@b178a3c compute_policy_loss_cispo, restated: log r clamped to +-20, the
+    clipped ratio detached, -sg(clip(r)) A log pi, token mean."""
+    ratio = torch.exp((logpi - mu).clamp(-20.0, 20.0))
+    per = -ratio.clamp(1 - eps_low, 1 + eps_high).detach() * adv * logpi
+    return (per * mask).sum() / mask.sum()
+
+
+@pytest.mark.parametrize("eps", [(1.0, 0.28), (0.1, 0.1), (0.0, 0.0)])
+def test_cispo_is_the_papers_objective_and_verls(eps):
+    """Value and gradient equal the paper's formula and verl's implementation, with no
+    lower bound (the paper's), a narrow one, and a zero-width clip (a weight of exactly 1:
+    plain REINFORCE)."""
+    s = loss("cispo", eps_low=eps[0], eps_high=eps[1], is_mode="off")
+    for equal in (True, False):
+        x = _rows(7, 5, 6, equal)
+        ours = _value_and_grad(lambda *a: _ours(*a, s), *x)
+        for ref in (cispo_paper, cispo_verl):
+            want = _value_and_grad(ref, *x, *eps)
+            assert ours[0] == pytest.approx(want[0], rel=1e-12)
+            torch.testing.assert_close(ours[1], want[1], rtol=1e-12, atol=1e-15)
+
+
+def test_cispo_keeps_the_gradient_ppo_clips():
+    """One token with A > 0 and r = 1.5 > 1 + eps: PPO's gradient is 0 there, CISPO's is
+    -(1 + eps_high) A (the clipped weight, not 0 and not r)."""
+    logpi = torch.tensor([np.log(1.5)], dtype=torch.float64, requires_grad=True)
+    inputs = dict(behaviour_logprobs=torch.zeros(1, dtype=torch.float64),
+                  proximal_logprobs=None, advantages=torch.ones(1, dtype=torch.float64),
+                  loss_mask=torch.ones(1, dtype=torch.float64), seq_ids=torch.zeros(1))
+    grads = {}
+    for kind in ("ppo", "cispo"):
+        logpi.grad = None
+        value, metrics = policy_loss(LossInputs(logprobs=logpi, **inputs),
+                                     loss(kind, eps_low=0.2, eps_high=0.2, is_mode="off"))
+        value.backward()
+        grads[kind] = float(logpi.grad[0])
+        assert metrics["clip_frac_high"] == 1.0, kind
+    assert grads["ppo"] == 0.0
+    assert grads["cispo"] == pytest.approx(-1.2, rel=1e-12)

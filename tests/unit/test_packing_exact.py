@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from arpo_async.core.config import PPOLoss
-from arpo_async.core.config.losses import GSPOLoss
+from arpo_async.core.config.losses import CISPOLoss, GSPOLoss
 from arpo_async.core.protocol import Trajectory, TrajectoryGroup
 from learner import tree_attention as TA
 from learner.batching import balanced_split, collate, samples_from_groups
@@ -118,6 +118,7 @@ SETTINGS = [
                                        eps_low=0.1, eps_high=0.1)),
     ("hard", "recompute", GSPOLoss(eps_low=0.05, eps_high=0.05, is_mode="truncate",
                                    is_cap=1.02, aepo_entropy_adv_gamma=0.3)),
+    ("soft", "recompute", CISPOLoss(eps_low=0.05, eps_high=0.05, entropy_coef=0.01)),
 ]
 
 

@@ -77,7 +77,21 @@ class GSPOLoss(_LossBase):
         4e-4, ge=0, description="GSPO: clip of the sequence ratio above 1 (paper 4e-4)")
 
 
-LOSS_TYPES: dict[str, type[_LossBase]] = {"ppo": PPOLoss, "gspo": GSPOLoss}
+class CISPOLoss(_LossBase):
+    """Clipped IS-weight REINFORCE (CISPO, MiniMax-M1, arXiv 2506.13585;
+    learner/losses/cispo.py)."""
+
+    type: Literal["cispo"] = Field("cispo", description="the loss: cispo")
+    eps_low: float = Field(
+        1.0, ge=0, le=1, description="CISPO: the IS weight's clip below 1 (1: no lower bound, "
+        "as in the paper)")
+    eps_high: float = Field(
+        0.28, ge=0, description="CISPO: the IS weight's clip above 1 (the paper tunes only "
+        "this one)")
+
+
+LOSS_TYPES: dict[str, type[_LossBase]] = {"ppo": PPOLoss, "gspo": GSPOLoss,
+                                          "cispo": CISPOLoss}
 
 
 def _tagged(classes: tuple[type[_LossBase], ...]):
