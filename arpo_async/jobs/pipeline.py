@@ -178,11 +178,22 @@ def rl_figures(run_dir: Path) -> dict:
         "prompts_skipped_too_long": sum(v for k, v in svc.items()
                                         if k.endswith("prompts_skipped_too_long")),
         "tool_cache_hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
-        "reward_first": rows[0]["reward_mean"], "reward_last": last["reward_mean"],
-        "train_accuracy_first": rows[0].get("score_mean"),
-        "train_accuracy_last": last.get("score_mean"),
+        **tenth_means(rows, "reward_mean", "reward"),
+        **tenth_means(rows, "score_mean", "train_accuracy"),
         **branch_means(rows),
     }
+
+
+def tenth_means(rows: list[dict], key: str, name: str) -> dict:
+    """``<name>_first_tenth`` and ``<name>_last_tenth``: the mean of ``key`` over the
+    first and the last tenth of the steps (at least one step each), so that one noisy
+    step (8 groups) does not read as the stage's start or end."""
+    values = [r[key] for r in rows if r.get(key) is not None]
+    if not values:
+        return {f"{name}_first_tenth": None, f"{name}_last_tenth": None}
+    n = max(1, len(values) // 10)
+    return {f"{name}_first_tenth": round(sum(values[:n]) / n, 4),
+            f"{name}_last_tenth": round(sum(values[-n:]) / n, 4)}
 
 
 def branch_means(rows: list[dict]) -> dict:
