@@ -13,6 +13,9 @@ A tool is a class with
   arguments object as JSON (sorted keys) when the schema has several (``call_text``);
 - optionally ``async close()`` and ``stats() -> dict[str, float]`` (added to the tool
   metrics as ``<name>.<key>``);
+- optionally ``canonical(args: str) -> str``: the form of the arguments the result cache
+  keys on, so that calls that must give the same result share an entry (``python``:
+  line endings; ``search``: case and spacing); without it the arguments as given;
 - optionally, a *stateful* tool (``python`` with ``tools.python_state=session``):
   ``stateful = True``, ``open_session()`` (a trajectory's session: ``digest``, the state
   part of the cache key; ``advance(args)``, a cached result stood for a call;
@@ -45,6 +48,12 @@ class ToolResult:
     error: str = ""  # short error kind: "timeout", "http_503", "sandbox", ...
     transient: bool = False  # worth retrying (HTTP 5xx/429, connection reset); never timeouts
     truncated: bool = False  # cut at the runner's tools.max_result_chars (cap_text)
+
+
+def canonical(tool: Any, args: str) -> str:
+    """``tool.canonical(args)`` where the tool has one, else ``args``."""
+    fn = getattr(tool, "canonical", None)
+    return fn(args) if fn is not None else args
 
 
 def cap_text(text: str, limit: int) -> tuple[str, bool]:

@@ -5,17 +5,11 @@ processes, about 10 us a get and 100 us a set. ``FanoutCache`` is deliberately n
 it gives up on a write after 10 ms and returns False silently, which loses entries under
 load.
 
-Key = sha256 of ``json.dumps([tool, version, canonical(tool, args)])``; a call in a
-stateful session (``tools.python_state=session``) adds the session's state, the digest of
-its history (toolenv/session.py), so a result is only ever served to the same state:
-``[tool, version, canonical, state]``. The canonical form
-of the arguments (``canonical_args``) is:
-
-- python: line endings normalised to ``\\n`` and trailing whitespace at the end removed
-  (nothing else: whitespace inside the code can change what it prints or its tracebacks);
-- search: whitespace runs collapsed to one space, stripped, lower-cased (retrievers and
-  web search ignore case and spacing);
-- any other tool: the arguments unchanged.
+Key = sha256 of ``json.dumps([tool, version, args])``, ``args`` in the tool's canonical
+form (the runner passes ``toolenv.base.canonical(tool, args)``: each tool says which
+calls must share a result); a call in a stateful session (``tools.python_state=session``)
+adds the session's state, the digest of its history (toolenv/session.py), so a result is
+only ever served to the same state: ``[tool, version, args, state]``.
 
 Only successful results are stored: the runner never offers errors or timeouts, and
 ``set(..., ok=False)`` raises.
@@ -34,25 +28,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import time
 from pathlib import Path
 
 import diskcache
 
-_WS_RE = re.compile(r"\s+")
 _COUNTERS_SUBDIR = "counters"
 _COUNTER_NAMES = ("hits", "misses", "sets")
 LOCK_WAIT_S = 2.0  # the longest one cache operation waits for another process's lock
-
-
-def canonical_args(tool: str, args: str) -> str:
-    """The form of a tool's arguments that the cache key is built from (rule above)."""
-    if tool == "python":
-        return args.replace("\r\n", "\n").replace("\r", "\n").rstrip()
-    if tool == "search":
-        return _WS_RE.sub(" ", args).strip().lower()
-    return args
 
 
 class ToolCache:
@@ -77,7 +60,7 @@ class ToolCache:
 
     @staticmethod
     def key(tool: str, version: str, args: str, state: str = "") -> str:
-        parts = [tool, version, canonical_args(tool, args)] + ([state] if state else [])
+        parts = [tool, version, args] + ([state] if state else [])
         payload = json.dumps(parts, ensure_ascii=False)
         return hashlib.sha256(payload.encode("utf-8")).hexdigest()
 

@@ -44,7 +44,7 @@ from pathlib import Path
 from toolenv.base import ToolResult
 from toolenv.pool import READY, PoolEmpty, PoolError, WarmPool, WarmSandbox
 from toolenv.sandbox import Limits, Sandbox, SandboxRun, default_hidden
-from toolenv.session import PySession, SessionManager
+from toolenv.session import PySession, SessionManager, canonical_code
 from toolenv.session_sandbox import Reply, SessionSandbox
 
 log = logging.getLogger(__name__)
@@ -188,6 +188,22 @@ class PythonTool:
     description = "Run Python code in a sandbox and return what it printed (use print)."
     parameters = {"type": "object", "required": ["code"], "properties": {
         "code": {"type": "string", "description": "the program to run"}}}
+    canonical = staticmethod(canonical_code)  # the cache key's form of the code
+
+    @classmethod
+    def from_config(cls, cfg, run_dir: str | Path, cache_dir: str | Path) -> PythonTool:
+        """The tool of a ``tools`` section. Its own wall-clock limit is set a little under
+        ``tools.timeout_s`` so that it, not the runner's backstop, reports the timeout
+        (with the output printed so far)."""
+        return cls(cpu_s=cfg.python_cpu_s, memory_mb=cfg.python_memory_mb,
+                   max_procs=cfg.python_max_procs, max_output=cfg.python_max_output,
+                   wall_timeout_s=max(cfg.timeout_s - 0.25, 0.9 * cfg.timeout_s),
+                   allow_unsandboxed=cfg.allow_unsandboxed,
+                   hide=[run_dir, cache_dir],  # checkpoints, logs and cached results
+                   pool=cfg.python_pool, preload=cfg.python_preload, state=cfg.python_state,
+                   max_sessions=cfg.python_max_sessions,
+                   session_idle_s=cfg.python_session_idle_s,
+                   checkpoint_mb=cfg.python_checkpoint_mb)
 
     def __init__(self, cpu_s: int = 5, memory_mb: int = 512, max_procs: int = 32,
                  max_output: int = 4096, wall_timeout_s: float = 10.0,

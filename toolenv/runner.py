@@ -36,11 +36,10 @@ from typing import TYPE_CHECKING, Any
 from asyncio_throttle import Throttler
 
 from arpo_async.core.config import ConfigError
-from toolenv.base import Tool, ToolResult, cap_text
+from toolenv.base import Tool, ToolResult, canonical, cap_text
 from toolenv.cache import ToolCache
 from toolenv.mcp_tools import mcp_tools
-from toolenv.python_tool import PythonTool
-from toolenv.search import SearchTool
+from toolenv.builtin import builtin_class
 from toolenv.tool_classes import load_tool_class
 
 if TYPE_CHECKING:
@@ -150,7 +149,7 @@ class ToolRunner:
         if self.cache is None:
             return None
         try:
-            text = self.cache.get(tool.name, tool.version, args, state)
+            text = self.cache.get(tool.name, tool.version, canonical(tool, args), state)
         except Exception:  # a locked or damaged cache costs a lookup, not the call
             self._counts["cache_lookup_errors"] += 1
             log.exception("tool cache lookup failed for %s", tool.name)
@@ -201,7 +200,8 @@ class ToolRunner:
         if self.cache is None or not result.ok:
             return
         try:
-            self.cache.set(tool.name, tool.version, args, result.text, state=state)
+            self.cache.set(tool.name, tool.version, canonical(tool, args), result.text,
+                           state=state)
         except Exception:  # a full disk costs the cache entry, not the call
             self._counts["cache_store_errors"] += 1
             log.exception("tool cache store failed for %s", tool.name)
@@ -255,34 +255,15 @@ class ToolRunner:
 
 
 def build_tools(cfg: ToolsConfig, run_dir: str | Path) -> ToolRunner:
-    """The runner for ``cfg.enabled`` and ``cfg.custom`` with the shared cache and the
-    configured limits. A custom class is constructed without arguments; one that fails
-    raises ConfigError naming the key and the path.
-
-    The Python tool's own wall-clock limit is set a little under ``cfg.timeout_s`` so that
-    it, not the runner's backstop, reports the timeout (with the output printed so far).
-    """
+    """The runner for ``cfg.enabled`` (each built-in tool from its ``from_config``:
+    toolenv/builtin.py) and ``cfg.custom`` with the shared cache and the configured
+    limits. A custom class is constructed without arguments; one that fails raises
+    ConfigError naming the key and the path."""
     cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else Path(run_dir) / "tool_cache"
+    classes = [builtin_class(name) for name in cfg.enabled]  # an unknown name: nothing made
     cache = ToolCache(cache_dir, ttl_s=cfg.cache_ttl_s)
-    tools: dict[str, Tool] = {}
-    for name in cfg.enabled:
-        if name == "python":
-            tools[name] = PythonTool(
-                cpu_s=cfg.python_cpu_s, memory_mb=cfg.python_memory_mb,
-                max_procs=cfg.python_max_procs, max_output=cfg.python_max_output,
-                wall_timeout_s=max(cfg.timeout_s - 0.25, 0.9 * cfg.timeout_s),
-                allow_unsandboxed=cfg.allow_unsandboxed,
-                hide=[run_dir, cache_dir],  # checkpoints, logs and cached results
-                pool=cfg.python_pool, preload=cfg.python_preload, state=cfg.python_state,
-                max_sessions=cfg.python_max_sessions,
-                session_idle_s=cfg.python_session_idle_s,
-                checkpoint_mb=cfg.python_checkpoint_mb)
-        elif name == "search":
-            tools[name] = SearchTool(cfg.retriever_url, topk=cfg.search_topk,
-                                     snippet_chars=cfg.search_snippet_chars)
-        else:
-            cache.close()
-            raise ValueError(f"tools.enabled: unknown tool {name!r} (known: python, search)")
+    tools: dict[str, Tool] = {cls.name: cls.from_config(cfg, run_dir, cache_dir)
+                              for cls in classes}
     try:
         tools |= custom_tools(cfg)
         if cfg.mcp:

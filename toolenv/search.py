@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 import aiohttp
 
 from toolenv.base import ToolResult
+
+_WS_RE = re.compile(r"\s+")
 
 NO_RESULTS = "No search results found."
 
@@ -111,6 +115,18 @@ class SearchTool:
     description = "Search the documents and return the best-matching snippets."
     parameters = {"type": "object", "required": ["query"], "properties": {
         "query": {"type": "string", "description": "what to look for"}}}
+
+    @staticmethod
+    def canonical(args: str) -> str:
+        """The cache key's form of a query: whitespace runs collapsed to one space,
+        stripped, lower-cased (retrievers and web search ignore case and spacing)."""
+        return _WS_RE.sub(" ", args).strip().lower()
+
+    @classmethod
+    def from_config(cls, cfg, run_dir: str | Path, cache_dir: str | Path) -> SearchTool:
+        """The tool of a ``tools`` section."""
+        return cls(cfg.retriever_url, topk=cfg.search_topk,
+                   snippet_chars=cfg.search_snippet_chars)
 
     def __init__(
         self, url: str, topk: int = 3, snippet_chars: int = 200, session_timeout_s: float = 10

@@ -41,7 +41,6 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
-from toolenv.cache import canonical_args
 from toolenv.pool import PoolError, WarmPool
 from toolenv.session_sandbox import LOST, Reply, SessionSandbox
 
@@ -59,9 +58,16 @@ FALLBACK_REASONS = ("unpicklable", "too_large", "files_changed", "no_process", "
                     "restore_failed")
 
 
+def canonical_code(code: str) -> str:
+    """The python tool's canonical form of code (``PythonTool.canonical``, the cache key
+    and the history digest): line endings normalised to ``\\n``, trailing whitespace at
+    the end removed; nothing else (whitespace inside code can change what it prints)."""
+    return code.replace("\r\n", "\n").replace("\r", "\n").rstrip()
+
+
 def next_digest(digest: str, code: str) -> str:
-    """The history digest after one more kept call (the cache's canonical form of code)."""
-    return hashlib.sha256(f"{digest}\n{canonical_args('python', code)}".encode()).hexdigest()
+    """The history digest after one more kept call (over the canonical form of code)."""
+    return hashlib.sha256(f"{digest}\n{canonical_code(code)}".encode()).hexdigest()
 
 
 def _rebuilding(session: PySession) -> bool:

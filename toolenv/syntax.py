@@ -32,8 +32,7 @@ from typing import Any, Protocol
 
 from toolenv.base import ToolSpec
 from toolenv.mcp_tools import mcp_specs
-from toolenv.python_tool import PythonTool
-from toolenv.search import SearchTool
+from toolenv.builtin import builtin_class
 from toolenv.tags import (
     DEFAULT_TOOLS,
     Markup,
@@ -278,14 +277,7 @@ def tool_specs(cfg: Any) -> list[ToolSpec]:
     """What the model is told about the configured tools (``tools.enabled``, then
     ``tools.custom``, read from their classes: nothing is constructed; then the ``tools.mcp``
     servers' tools, from their listing: toolenv/mcp_tools.py)."""
-    classes = []
-    for name in cfg.enabled:
-        if name == "python":
-            classes.append(PythonTool)
-        elif name == "search":
-            classes.append(SearchTool)
-        else:
-            raise ValueError(f"tools.enabled: unknown tool {name!r} (known: python, search)")
+    classes = [builtin_class(name) for name in cfg.enabled]
     classes += [load_tool_class(path) for path in cfg.custom]
     specs = [ToolSpec.of(cls) for cls in classes]
     if getattr(cfg, "mcp", None):

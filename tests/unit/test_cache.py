@@ -7,7 +7,9 @@ import time
 import pytest
 
 from toolenv.base import ToolResult
-from toolenv.cache import ToolCache, cache_clear, cache_stats, canonical_args
+from toolenv.base import canonical
+from toolenv.builtin import BUILTIN_TOOLS
+from toolenv.cache import ToolCache, cache_clear, cache_stats
 from toolenv.runner import ToolRunner
 
 
@@ -28,8 +30,11 @@ def cache(tmp_path):
     ],
 )
 def test_same_key(tool, a, b):
-    assert canonical_args(tool, a) == canonical_args(tool, b)
-    assert ToolCache.key(tool, "1", a) == ToolCache.key(tool, "1", b)
+    """Each built-in tool's canonical form (what the runner hands the cache)."""
+    cls = BUILTIN_TOOLS[tool]
+    assert canonical(cls, a) == canonical(cls, b)
+    key = ToolCache.key
+    assert key(tool, "1", canonical(cls, a)) == key(tool, "1", canonical(cls, b))
 
 
 @pytest.mark.parametrize(
@@ -44,7 +49,9 @@ def test_same_key(tool, a, b):
     ],
 )
 def test_different_key(tool, a, b):
-    assert ToolCache.key(tool, "1", a) != ToolCache.key(tool, "1", b)
+    cls = BUILTIN_TOOLS.get(tool, object)  # a tool without canonical(): arguments as given
+    key = ToolCache.key
+    assert key(tool, "1", canonical(cls, a)) != key(tool, "1", canonical(cls, b))
 
 
 def test_key_includes_tool_and_version():
@@ -57,16 +64,17 @@ def test_key_includes_tool_and_version():
 def test_get_set_and_counters(cache):
     assert cache.get("python", "1", "print(1)") is None
     cache.set("python", "1", "print(1)", "1")
-    assert cache.get("python", "1", "print(1)\n") == "1"
+    assert cache.get("python", "1", "print(1)") == "1"
+    assert cache.get("python", "1", "print(1)\n") is None  # canonical forms: the runner's
     assert cache.get("python", "2", "print(1)") is None  # other version
     assert cache.get("search", "1", "print(1)") is None  # other tool
     stats = cache.stats()
-    assert (stats["hits"], stats["misses"], stats["sets"]) == (1, 3, 1)
-    assert stats["hit_rate"] == pytest.approx(0.25)
+    assert (stats["hits"], stats["misses"], stats["sets"]) == (1, 4, 1)
+    assert stats["hit_rate"] == pytest.approx(0.2)
     assert stats["get_latency_mean_s"] > 0 and stats["set_latency_mean_s"] > 0
     disk = cache.disk_stats()
     assert (disk["entries"], disk["hits_total"], disk["misses_total"], disk["sets_total"]) == \
-        (1, 1, 3, 1)
+        (1, 1, 4, 1)
     assert disk["size_bytes"] > 0
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from toolenv.base import ToolResult
 from toolenv.cache import ToolCache
+from toolenv.search import SearchTool
 from toolenv.runner import ToolRunner, build_tools
 
 
@@ -137,7 +138,9 @@ async def test_raised_exceptions_become_results():
 
 
 async def test_cache_hits_skip_the_tool(tmp_path):
+    """The runner keys the cache on the tool's canonical form of its arguments."""
     tool = FakeTool(name="search")
+    tool.canonical = SearchTool.canonical
     cache = ToolCache(tmp_path / "c")
     runner = _runner([tool], cache=cache)
     first = await runner.call("search", "Capital of  France")
