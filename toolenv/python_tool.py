@@ -52,7 +52,9 @@ log = logging.getLogger(__name__)
 _FILE_BYTES = 16 << 20  # largest file a snippet may write in its scratch folder
 _RESULT_VERSION = "1"  # bump when the text of results would change
 _SESSION_VERSION = "1"  # bump when session results would change (session_child.py)
-_SESSION_CHILD = (Path(__file__).with_name("session_child.py")).read_text()
+# One program from two files: the checkpoint functions, then the rest and main()
+_SESSION_CHILD = "\n\n".join(Path(__file__).with_name(name).read_text()
+                               for name in ("session_checkpoint.py", "session_child.py"))
 # Besides the call's own processes, a session runs its keeper and its holder.
 _SESSION_PROCS = 2
 _STATES = ("stateless", "session")

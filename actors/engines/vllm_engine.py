@@ -41,8 +41,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from actors.engines.base import (
     ContextOverflow,
     GenRequest,
@@ -60,6 +58,7 @@ from actors.engines.reaping import (
     reap,
     reap_adopted,
 )
+from actors.engines.vllm_round import Round, sampling_params
 from actors.weights.nccl import NcclTransferFailed, update_info_from
 
 logger = logging.getLogger(__name__)
@@ -127,19 +126,21 @@ def _retie_embeddings(worker: Any) -> None:
             head.quant_method.process_weights_after_loading(head)
 
 
-def _nats(entry: dict) -> float:
-    """Exact entropy (nats) of one token's distribution from its full log-prob dict
-    (``logprobs=-1``); -inf entries (removed by top-p) contribute nothing."""
-    lp = np.fromiter((v.logprob for v in entry.values()), np.float64, len(entry))
-    lp = lp[np.isfinite(lp)]
-    return float(-(np.exp(lp) * lp).sum())
+def _memory_args(kv_cache_gib: float, max_model_len: int, gpu_memory_utilization: float,
+                 weight_transfer: str | None) -> dict[str, Any]:
+    """The engine arguments that size its memory (and the weight-transfer backend)."""
+    from vllm.platforms import current_platform
 
-
-def _top_k(entry: dict, k: int) -> list[float]:
-    """vLLM returns the top k plus the sampled token when it is not among them: keep the
-    k best, finite values only (-inf marks tokens that top-p removed)."""
-    values = sorted((lp.logprob for lp in entry.values()), reverse=True)[:k]
-    return [v for v in values if v != float("-inf")]
+    memory: dict[str, Any] = {"gpu_memory_utilization": gpu_memory_utilization}
+    if current_platform.is_cpu():
+        # A prefill split across steps makes vLLM 0.32's CPU sampler rewind a seeded
+        # request's generator, which CPU generators cannot do ("CPU Generator does not use
+        # offset") and the EngineCore dies; a large token budget keeps prefills whole.
+        memory = {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30),
+                  "max_num_batched_tokens": max(65536, max_model_len)}
+    if weight_transfer:
+        memory["weight_transfer_config"] = {"backend": weight_transfer}
+    return memory
 
 
 class VLLMEngine:
@@ -201,23 +202,14 @@ class VLLMEngine:
         _set_env(cpu_threads, cpu_bind, local=Path(model_path).is_dir())
         # vllm: an optional extra (cpu, gpu), and its environment is set just above
         from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        memory: dict[str, Any] = {"gpu_memory_utilization": gpu_memory_utilization}
-        if current_platform.is_cpu():
-            # A prefill split across steps makes vLLM 0.32's CPU sampler rewind a seeded
-            # request's generator, which CPU generators cannot do ("CPU Generator does not
-            # use offset") and the EngineCore dies; a large token budget keeps prefills whole.
-            memory = {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30),
-                      "max_num_batched_tokens": max(65536, max_model_len)}
-        if weight_transfer:
-            memory["weight_transfer_config"] = {"backend": weight_transfer}
         args = AsyncEngineArgs(
             model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
             max_logprobs=max_logprobs, logprobs_mode=LOGPROBS_MODE, enforce_eager=enforce_eager,
             enable_prefix_caching=enable_prefix_caching, tensor_parallel_size=tensor_parallel,
-            disable_log_stats=True, **memory,
+            disable_log_stats=True, **_memory_args(kv_cache_gib, max_model_len,
+                                                   gpu_memory_utilization, weight_transfer),
         )
         before = mp_children()  # what the start adds is the engine's, for close() to reap
         # No local name for the AsyncLLM: the engine object must hold the only reference,
@@ -231,15 +223,20 @@ class VLLMEngine:
         engine._procs = mp_children(before)
         engine._expected = checkpoint_shapes(model_path)
         engine.nccl_workers = tensor_parallel
-        try:
-            await engine.generate(GenRequest(prompt_tokens=[0, 1], max_tokens=2, logprobs_topk=1))
-            await engine.sequence_logprobs([0], [1])
-        except BaseException:
-            await engine.close()
-            raise
+        await engine._warm_up()
         engine.startup_s = time.perf_counter() - t0
         logger.info("vLLM engine ready in %.1f s (%s)", engine.startup_s, model_path)
         return engine
+
+    async def _warm_up(self) -> None:
+        """One request and one scoring pass (the first of each pays one-off set-up); an
+        engine that fails them is closed."""
+        try:
+            await self.generate(GenRequest(prompt_tokens=[0, 1], max_tokens=2, logprobs_topk=1))
+            await self.sequence_logprobs([0], [1])
+        except BaseException:
+            await self.close()
+            raise
 
     def _check_prompt(self, tokens: list[int], extra: int) -> None:
         if not tokens:
@@ -267,64 +264,23 @@ class VLLMEngine:
         own log-prob only; and, in ``interrupt`` mode, a segment a weight update stopped
         resumes from prompt + the tokens so far under the new weights. A stop string
         split across two segments is still found (``_boundary_stops``)."""
-        from vllm import SamplingParams
-
-        if self.max_logprobs != -1 and req.logprobs_topk > self.max_logprobs:
-            raise ValueError(f"logprobs_topk={req.logprobs_topk} exceeds the engine's "
-                             f"max_logprobs={self.max_logprobs}")
-        if req.entropy and self.max_logprobs != -1:
-            raise ValueError("an exact-entropy request needs the engine started with "
-                             "max_logprobs=-1 (rollout.entropy_estimator=exact does that)")
-        self._check_prompt(req.prompt_tokens, 1)
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        top: list[list[float]] = []
-        ents: list[float] = []
-        versions: list[int] = []
-        stops, reason, finish, interruptions = list(req.stop), None, "length", 0
+        self._check_request(req)
+        got = Round()
+        finish, reason, interruptions = "length", None, 0
         window = req.topk_window if 0 < req.topk_window < req.max_tokens else 0
-        while len(tokens) < req.max_tokens:
-            if tokens and len(req.prompt_tokens) + len(tokens) >= self.max_model_len:
+        while len(got.tokens) < req.max_tokens:
+            if got.tokens and len(req.prompt_tokens) + len(got.tokens) >= self.max_model_len:
                 finish, reason = "length", None  # no room left for another segment
                 break
-            in_window = window == 0 or len(tokens) < window
+            in_window = window == 0 or len(got.tokens) < window
             k = max(0, req.logprobs_topk) if in_window else 0
             full = req.entropy and in_window  # the whole vector, for the exact entropy
-            limit = (window if window and in_window else req.max_tokens) - len(tokens)
-            extra = self._boundary_stops(req.stop, tokens) if tokens and req.stop else {}
-            params = SamplingParams(
-                n=1, max_tokens=limit, temperature=req.temperature, top_p=req.top_p,
-                stop_token_ids=list(req.stop_token_ids), stop=stops + list(extra),
-                include_stop_str_in_output=True, logprobs=-1 if full else k,
-                ignore_eos=req.ignore_eos,
-                seed=None if req.seed is None else (req.seed + len(tokens)) % 2**31,
-                # Text is only needed to match stop strings; decoding 20 candidates per
-                # token otherwise costs more than the tiny model's forward pass.
-                detokenize=bool(req.stop))
-            request_id = self._request_id()
-            stopped = []
-
-            async def stop(rid=request_id, flag=stopped):
-                flag.append(True)
-                await self._llm.abort(rid)
-
-            async with self._gate.call(stop=stop):
-                version = self.version
-                out = await self._run(list(req.prompt_tokens) + tokens, params, request_id)
-            self.prompt_tokens += len(req.prompt_tokens) + len(tokens)
-            self.cached_tokens += int(out.num_cached_tokens or 0)
-            comp = out.outputs[0]
-            got = list(comp.token_ids)
-            entries = comp.logprobs or []
-            if len(entries) != len(got):
-                raise RuntimeError(f"vLLM returned {len(entries)} log-prob entries for "
-                                   f"{len(got)} tokens")
-            tokens += got
-            logprobs += [float(e[t].logprob) for t, e in zip(got, entries)]
-            top += [_top_k(e, k) if k else [] for e in entries]
-            if req.entropy:
-                ents += [_nats(e) if full else float("nan") for e in entries]
-            versions += [version] * len(got)
+            extra = (self._boundary_stops(req.stop, got.tokens)
+                     if got.tokens and req.stop else {})
+            limit = (window if window and in_window else req.max_tokens) - len(got.tokens)
+            comp, version, stopped = await self._segment(
+                req, got.tokens, sampling_params(req, limit, k, full, extra, len(got.tokens)))
+            got.add(comp, k, full, req.entropy, version)
             finish, reason = comp.finish_reason or "abort", comp.stop_reason
             if finish == "abort" and stopped:
                 interruptions += 1  # a weight update stopped it: resume under the new weights
@@ -333,15 +289,44 @@ class VLLMEngine:
                 if not comp.text.startswith(reason):
                     continue  # a stop string's tail matched inside new text: not a stop
                 reason = extra[reason]  # the stop string that straddled the boundary
-            if finish == "length" and window and len(tokens) == window < req.max_tokens:
+            if finish == "length" and window and len(got.tokens) == window < req.max_tokens:
                 continue  # the window ended, not the round
             break
         if interruptions:
             self.interrupted_calls += 1
-        return GenResult(tokens=tokens, logprobs=logprobs, top_logprobs=top,
-                         finish_reason=finish, stop_reason=reason, version=versions[-1]
-                         if versions else self.version, versions=versions,
-                         interruptions=interruptions, entropies=ents)
+        return GenResult(tokens=got.tokens, logprobs=got.logprobs, top_logprobs=got.top,
+                         finish_reason=finish, stop_reason=reason,
+                         version=got.versions[-1] if got.versions else self.version,
+                         versions=got.versions, interruptions=interruptions,
+                         entropies=got.entropies)
+
+    def _check_request(self, req: GenRequest) -> None:
+        if self.max_logprobs != -1 and req.logprobs_topk > self.max_logprobs:
+            raise ValueError(f"logprobs_topk={req.logprobs_topk} exceeds the engine's "
+                             f"max_logprobs={self.max_logprobs}")
+        if req.entropy and self.max_logprobs != -1:
+            raise ValueError("an exact-entropy request needs the engine started with "
+                             "max_logprobs=-1 (rollout.entropy_estimator=exact does that)")
+        self._check_prompt(req.prompt_tokens, 1)
+
+    async def _segment(self, req: GenRequest, tokens: list[int], params: Any
+                       ) -> tuple[Any, int, list]:
+        """One engine request continuing the round from prompt + ``tokens``, under the
+        weight gate: (its completion, the version it ran under, non-empty if a weight
+        update stopped it)."""
+        request_id = self._request_id()
+        stopped: list[bool] = []
+
+        async def stop(rid=request_id, flag=stopped):
+            flag.append(True)
+            await self._llm.abort(rid)
+
+        async with self._gate.call(stop=stop):
+            version = self.version
+            out = await self._run(list(req.prompt_tokens) + tokens, params, request_id)
+        self.prompt_tokens += len(req.prompt_tokens) + len(tokens)
+        self.cached_tokens += int(out.num_cached_tokens or 0)
+        return out.outputs[0], version, stopped
 
     def _boundary_stops(self, stops: list[str], tokens: list[int]) -> dict[str, str]:
         """Stop strings the next segment must also stop at: for each stop string whose

@@ -195,6 +195,22 @@ async def _make_engine(cfg: Config, model_path: str, tokenizer: Any, endpoint: s
     return await build_engine(cfg, model_path, actor_id=0, version=0)
 
 
+def _prompts(source, data: Path, limit: int | None, system_prompt: str | None,
+             refuse_too_long: bool) -> tuple[list, list]:
+    """The prompts to evaluate (the first ``limit``, each with a system prompt), and the
+    rows skipped as too long for the context."""
+    prompts = source.items[:limit] if limit else source.items
+    for p in prompts:
+        p.system_prompt = p.system_prompt or system_prompt or SYSTEM_PROMPT
+    return split_too_long(source, prompts, data, refuse_too_long)
+
+
+def _speed(tokens: int, engine_s: float, gen_s: float, total_s: float) -> dict:
+    return {"model_tokens": tokens, "engine_start_s": round(engine_s, 1),
+            "generate_s": round(gen_s, 1), "total_s": round(total_s, 1),
+            "model_tokens_per_s": round(tokens / max(gen_s, 1e-9), 1)}
+
+
 async def evaluate_async(cfg: Config, data: str | Path, k: int = 4, limit: int | None = None,
                          out_dir: str | Path | None = None, temperature: float | None = None,
                          engine: str | None = None, retriever_url: str = "",
@@ -221,10 +237,7 @@ async def evaluate_async(cfg: Config, data: str | Path, k: int = 4, limit: int |
         work.mkdir(parents=True, exist_ok=True)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         source = PromptSource(cfg, tokenizer)
-        prompts = source.items[:limit] if limit else source.items
-        for p in prompts:
-            p.system_prompt = p.system_prompt or system_prompt or SYSTEM_PROMPT
-        prompts, skipped = split_too_long(source, prompts, data, refuse_too_long)
+        prompts, skipped = _prompts(source, data, limit, system_prompt, refuse_too_long)
         tools = build_tools(cfg.tools, work)
         t0 = time.perf_counter()
         eng = await _make_engine(cfg, model_path, tokenizer, endpoint)
@@ -247,11 +260,9 @@ async def evaluate_async(cfg: Config, data: str | Path, k: int = 4, limit: int |
             "endpoint" if endpoint else cfg.actors.engine,
         "temperature": cfg.sampling.temperature, **_summarise(items, k),
         "skipped_too_long": len(skipped), "failed": len(failed),
-        "model_tokens": tokens, "engine_start_s": round(engine_s, 1),
-        "generate_s": round(gen_s, 1), "total_s": round(time.perf_counter() - t_start, 1),
-        "model_tokens_per_s": round(tokens / max(gen_s, 1e-9), 1),
-        "tools": {key: tool_stats[key] for key in sorted(tool_stats)
-                  if key.endswith(("calls", "executed", "errors", "timeouts", "cache_hits"))},
+        **_speed(tokens, engine_s, gen_s, time.perf_counter() - t_start), "tools": {
+            key: tool_stats[key] for key in sorted(tool_stats)
+            if key.endswith(("calls", "executed", "errors", "timeouts", "cache_hits"))},
     }
     if out_dir:
         write_jsonl(work / "items.jsonl", items + failed + skipped)

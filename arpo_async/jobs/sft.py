@@ -254,6 +254,15 @@ def _train_step(model: Any, opt: Any, ids: Any, mask: Any, chunk: int) -> tuple[
     return float(loss.detach()), m["accuracy"]
 
 
+def _traces(data_path: str | Path, tokenizer: Any, max_len: int, tools: Any,
+            template_kwargs: dict | None) -> list:
+    """The traces encoded in the run's tool syntax (None: ARPO's tags as written)."""
+    syntax = None
+    if tools is not None or template_kwargs:
+        syntax = build_syntax(tools or ToolsConfig(), tokenizer, template_kwargs)
+    return load_traces(data_path, tokenizer, max_len, syntax)
+
+
 def run_sft(model_dir: str | Path, data_path: str | Path, out_dir: str | Path,
             steps: int | None = None, time_budget_s: float | None = None, lr: float = 2e-3,
             batch_size: int = 16, seed: int = 0, threads: int = 2, weight_decay: float = 0.0,
@@ -278,10 +287,7 @@ def run_sft(model_dir: str | Path, data_path: str | Path, out_dir: str | Path,
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).train()
-    syntax = None
-    if tools is not None or template_kwargs:
-        syntax = build_syntax(tools or ToolsConfig(), tokenizer, template_kwargs)
-    data = load_traces(data_path, tokenizer, max_len, syntax)
+    data = _traces(data_path, tokenizer, max_len, tools, template_kwargs)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95),
                             weight_decay=weight_decay)

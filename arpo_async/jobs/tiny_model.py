@@ -344,6 +344,13 @@ def build_tiny_model(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None, do_sample=True, temperature=1.0, top_p=1.0,
     )
+    _write_atomically(out, tokenizer, model)
+    return out
+
+
+def _write_atomically(out: Path, tokenizer, model) -> None:
+    """Save tokenizer and model into a temporary folder next to ``out``, then rename it
+    to ``out`` (a crash never leaves a half-written model folder)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -362,7 +369,6 @@ def build_tiny_model(
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 QWEN_CONTROL_TOKENS = 208  # Qwen2/2.5/3 reserve these ids after the BPE vocabulary

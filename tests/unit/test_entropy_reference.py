@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from actors.engines.vllm_engine import _top_k
+from actors.engines.vllm_round import top_k as _top_k
 from arpo_async.core.entropy import (
     entropy_from_topk,
     reference_candidates,
