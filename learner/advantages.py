@@ -75,6 +75,27 @@ def _topo_order(parents: Sequence[int]) -> list[int]:
     return order
 
 
+def check_tree(parents: Sequence[int], branch_points: Sequence[int],
+               lengths: Sequence[int]) -> list[int]:
+    """The leaves in an order where a parent comes before its children; ValueError for
+    a group that is not a tree (a parent out of range or in a cycle, a branch point
+    outside its leaf or its parent). What the learner checks of every group it receives
+    (learner/service.py), whichever attribution it trains with."""
+    n = len(parents)
+    if not n == len(branch_points) == len(lengths):
+        raise ValueError(f"{n} parents, {len(branch_points)} branch points, "
+                         f"{len(lengths)} lengths")
+    for i in range(n):
+        bp, p = branch_points[i], parents[i]
+        if lengths[i] < 0 or bp < 0 or bp > lengths[i]:
+            raise ValueError(f"leaf {i}: branch_point {bp} outside [0, length {lengths[i]}]")
+        if p == -1 and bp != 0:
+            raise ValueError(f"leaf {i}: global sample (parent -1) with branch_point {bp}")
+        if p >= 0 and 0 <= p < n and bp > lengths[p]:
+            raise ValueError(f"leaf {i}: branch_point {bp} > parent {p}'s length {lengths[p]}")
+    return _topo_order(parents)
+
+
 def hard_advantages(parents: Sequence[int], branch_points: Sequence[int],
                     lengths: Sequence[int], leaf_adv: Sequence[float] | np.ndarray
                     ) -> tuple[list[np.ndarray], list[np.ndarray], dict[str, float]]:
@@ -87,20 +108,12 @@ def hard_advantages(parents: Sequence[int], branch_points: Sequence[int],
     """
     n = len(parents)
     adv = np.asarray(leaf_adv, dtype=np.float64).reshape(-1)
-    if not n == len(branch_points) == len(lengths) == adv.size:
-        raise ValueError(f"hard_advantages: {n} parents, {len(branch_points)} branch points, "
-                         f"{len(lengths)} lengths, {adv.size} advantages")
-    for i in range(n):
-        bp, p = branch_points[i], parents[i]
-        if lengths[i] < 0 or bp < 0 or bp > lengths[i]:
-            raise ValueError(f"leaf {i}: branch_point {bp} outside [0, length {lengths[i]}]")
-        if p == -1 and bp != 0:
-            raise ValueError(f"leaf {i}: global sample (parent -1) with branch_point {bp}")
-        if p >= 0 and 0 <= p < n and bp > lengths[p]:
-            raise ValueError(f"leaf {i}: branch_point {bp} > parent {p}'s length {lengths[p]}")
+    if adv.size != n:
+        raise ValueError(f"hard_advantages: {n} parents, {adv.size} advantages")
+    order = check_tree(parents, branch_points, lengths)
     node_ids: list[np.ndarray | None] = [None] * n
     next_node = 0
-    for i in _topo_order(parents):
+    for i in order:
         own = np.arange(next_node, next_node + lengths[i] - branch_points[i])
         next_node += own.size
         shared = node_ids[parents[i]][:branch_points[i]] if parents[i] >= 0 else own[:0]

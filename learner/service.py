@@ -43,7 +43,7 @@ from arpo_async.core.config import Config, total_actors
 from arpo_async.core.staleness import Admission, StalenessFilter
 from arpo_async.core.transport.control import ControlServer
 from arpo_async.core.transport.trajectory import TrajectoryReceiver
-from learner.advantages import token_advantages
+from learner.advantages import check_tree
 from learner.config_server import ConfigServer
 from learner.ledger import Ledger
 from learner.weights import build_weight_senders
@@ -82,7 +82,9 @@ def check_group(group: P.TrajectoryGroup, vocab_size: int | None, max_tokens: in
         if not (math.isfinite(leaf.reward) and math.isfinite(leaf.score)):
             return "reward"
     try:  # a tree (parents, branch points), whichever attribution the learner uses
-        token_advantages(group.leaves, np.array([leaf.reward for leaf in group.leaves]), "hard")
+        check_tree([leaf.parent for leaf in group.leaves],
+                   [leaf.branch_point for leaf in group.leaves],
+                   [len(leaf) for leaf in group.leaves])
     except (ValueError, IndexError) as exc:
         log.debug("group %s: bad tree: %s", group.group_id[:40], exc)
         return "tree"

@@ -58,8 +58,10 @@ def test_hard_rejects_bad_trees():
         hard_advantages([-1, 5], [0, 0], [1, 1], [0, 0])
     with pytest.raises(ValueError, match="cycle"):
         hard_advantages([1, 0], [1, 1], [2, 2], [0, 0])
-    with pytest.raises(ValueError, match="2 parents, 2 branch points, 2 lengths, 1"):
+    with pytest.raises(ValueError, match="2 parents, 1 advantages"):
         hard_advantages([-1, -1], [0, 0], [1, 1], [0])
+    with pytest.raises(ValueError, match="2 parents, 1 branch points, 2 lengths"):
+        hard_advantages([-1, -1], [0], [1, 1], [0, 0])
 
 
 def _leaves(parents, bps, lengths, seed=0):
