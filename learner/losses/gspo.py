@@ -15,8 +15,10 @@ per-token IS weight w_t != 1 (recompute mode against stale actors) the token mea
 w_t J_i, as verl applies its rollout weights per token.
 
 A_i is the m-weighted mean of the sequence's token advantages: the paper has one
-advantage per sequence; ARPO's soft attribution gives a fork's shared prefix the mean of
-its branches, so the leaf's tokens differ, and this is their mean (as AReaL does).
+advantage per sequence, and so does ARPO's soft attribution (the leaf's own); hard
+attribution gives a shared token the mean over the leaves that contain it and only the
+owner trains it, so a leaf's trained tokens may differ, and A_i is their mean (as AReaL
+does); AEPO's entropy-aware advantage varies per token too and is averaged the same way.
 
 Checked against verl (volcengine/verl@b178a3c, verl/trainer/ppo/core_algos.py,
 ``compute_policy_loss_gspo``): the same token form and ``seq-mean-token-mean``
