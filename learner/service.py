@@ -91,6 +91,20 @@ def check_group(group: P.TrajectoryGroup, vocab_size: int | None, max_tokens: in
     return ""
 
 
+def may_stop(now: float, last_group: float, byes_at: float | None, byes: bool,
+             done: bool) -> bool:
+    """Whether the learner's shutdown may stop reading: every actor said Bye and every
+    group they announced arrived (``done``); or every Bye is in and no group came for
+    ``_SHUTDOWN_QUIET_S`` since the last group *and* since the last Bye. A group sent just
+    before its actor's Bye travels on the trajectory socket, the Bye on the control one,
+    so the group can arrive after it: timed from the last group alone, a Bye that came
+    after a quiet spell ended the shutdown at once and that group was counted lost."""
+    if done:
+        return True
+    return byes and byes_at is not None and \
+        now - max(last_group, byes_at) > _SHUTDOWN_QUIET_S
+
+
 class LearnerService:
     def __init__(self, cfg: Config, keys=None, vocab_size: int | None = None,
                  max_tokens: int | None = None, resume: dict | None = None):
@@ -333,7 +347,7 @@ class LearnerService:
         with self.lock:
             self.stopping = True
         t0 = time.monotonic()
-        quiet_since = t0
+        quiet_since, byes_at = t0, None
         while time.monotonic() - t0 < _SHUTDOWN_MAX_S:
             if time.monotonic() - t0 > wait_s and not self._byes_pending_from_live_actors():
                 break
@@ -350,7 +364,9 @@ class LearnerService:
                 continue
             with self.lock:
                 byes, done = self.ledger.drained()
-            if done or (byes and time.monotonic() - quiet_since > _SHUTDOWN_QUIET_S):
+            if byes and byes_at is None:
+                byes_at = time.monotonic()
+            if may_stop(time.monotonic(), quiet_since, byes_at, byes, done):
                 break
         with self.lock:
             ledger = self.ledger.summary()

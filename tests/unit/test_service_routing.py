@@ -12,7 +12,7 @@ import pytest
 from arpo_async.core import protocol as P
 from arpo_async.core.config import config_from_dict
 from arpo_async.core.transport.control import Encoded
-from learner.service import LearnerService
+from learner.service import _SHUTDOWN_QUIET_S, LearnerService, may_stop
 
 
 @pytest.fixture
@@ -39,3 +39,15 @@ def test_requests_go_to_their_channel_or_are_refused_by_name(service):
     assert isinstance(reply, P.ConfigReply) and reply.actor_id == 2  # after the local 0, 1
     snap = service.snapshot()
     assert snap["weights"]["zmq"]["requests"] == 2 and snap["weights"]["zmq"]["version"] == 0
+
+
+def test_shutdown_waits_after_the_last_bye_for_the_groups_it_announced():
+    """The faults run's lost group: the last group came 4 s before the last Bye, and the
+    group that Bye announced was still on its way. The quiet period counts from the Bye
+    too (learner/service.py may_stop)."""
+    quiet = _SHUTDOWN_QUIET_S
+    assert not may_stop(now=10.0, last_group=5.0, byes_at=9.9, byes=True, done=False)
+    assert may_stop(now=9.9 + quiet + 0.1, last_group=5.0, byes_at=9.9, byes=True,
+                    done=False)
+    assert not may_stop(now=100.0, last_group=5.0, byes_at=None, byes=False, done=False)
+    assert may_stop(now=10.0, last_group=9.9, byes_at=9.9, byes=True, done=True)
