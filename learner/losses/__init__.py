@@ -41,8 +41,9 @@ def policy_loss(inp: LossInputs, settings, normaliser: float | None = None,
     logpi = _f(inp.logprobs)
     m = _f(inp.loss_mask.detach())
     count = float(m.sum())
-    seq = Sequences(inp.seq_ids, m) if inp.seq_ids is not None else None
-    own = count if kind.unit == "token" else float(seq.trained)
+    # the sequence structure only where the loss reads it (torch.unique per micro-batch)
+    seq = Sequences(inp.seq_ids, m) if kind.unit == "sequence" else None
+    own = count if seq is None else float(seq.trained)
     if normaliser is not None and normaliser <= 0:
         raise ValueError(f"normaliser must be > 0, got {normaliser}")
     # No trained token: every sum is 0, so any Z > 0 gives a zero loss that backpropagates.

@@ -80,7 +80,7 @@ class Terms:
     log_r: torch.Tensor  # clamp(logpi - prox, +-20), with gradient
     adv: torch.Tensor  # advantages (after AEPO's entropy-aware shaping), no gradient
     m: torch.Tensor  # loss weights, no gradient
-    seq: "Sequences | None"  # sequence structure (None when the inputs carry none)
+    seq: "Sequences | None"  # sequence structure (None for a token-level loss)
 
 
 @dataclass(frozen=True)

@@ -94,13 +94,8 @@ LOSS_TYPES: dict[str, type[_LossBase]] = {"ppo": PPOLoss, "gspo": GSPOLoss,
                                           "cispo": CISPOLoss}
 
 
-def _tagged(classes: tuple[type[_LossBase], ...]):
-    if len(classes) == 1:
-        return classes[0]
-    return Annotated[Union[classes], Field(discriminator="type")]  # noqa: UP007
-
-
-LossConfig = _tagged(tuple(LOSS_TYPES.values()))
+LossConfig = Annotated[Union[tuple(LOSS_TYPES.values())],  # noqa: UP007
+                       Field(discriminator="type")]
 
 
 def loss_section(raw):
