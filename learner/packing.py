@@ -56,7 +56,6 @@ class PackedTree:
     pred: np.ndarray  # int64 parent node (local index), -1 at the root
     depth: np.ndarray  # int64 position id
     end: np.ndarray  # int64 end of the node's subtree (local, exclusive)
-    count: np.ndarray  # float64 copies with m > 0 (the entropy statistics' multiplicity)
     mu: np.ndarray  # float32 behaviour log-prob
     c_node: np.ndarray  # int64 per trained copy (leaf token with m > 0): its node
     c_seq: np.ndarray  # int64 its leaf (0..n_leaves-1, in leaf-index order)
@@ -152,7 +151,6 @@ def build_tree(leaves: list[LeafSample]) -> PackedTree:
     m = np.concatenate([s.weight for s in leaves]).astype(np.float32)
     adv = np.concatenate([s.advantages for s in leaves]).astype(np.float32)
     leaf = np.repeat(np.arange(len(leaves)), [len(s.response) for s in leaves])
-    count = np.bincount(at, weights=(m > 0).astype(np.float64), minlength=n)
     mu = np.zeros(n, np.float32)
     mu[at] = np.concatenate([s.behaviour for s in leaves])
     order = _preorder(np.asarray(pred, np.int64))
@@ -166,7 +164,7 @@ def build_tree(leaves: list[LeafSample]) -> PackedTree:
     keep = m > 0
     return PackedTree(
         ids=np.asarray(ids, np.int64)[order], pred=new_pred, depth=depth,
-        end=_subtree_end(new_pred), count=count[order], mu=mu[order],
+        end=_subtree_end(new_pred), mu=mu[order],
         c_node=rank[at[keep]], c_seq=leaf[keep].astype(np.int64), c_m=m[keep],
         c_adv=adv[keep], n_leaves=len(leaves),
         leaf_tokens=sum(s.num_tokens for s in leaves), kept_apart=kept_apart)
@@ -240,7 +238,7 @@ class PackedBatch:
     end: np.ndarray  # [T] int64 subtree end; k is visible from q iff k <= q < end[k]
     ctx: torch.Tensor  # [K] long: position whose logits predict each target
     targets: torch.Tensor  # [K] long: the target token ids
-    count: torch.Tensor  # [K] float copies with m > 0
+    count: torch.Tensor  # [K] float trained copies of each target (from copy_target)
     behaviour: torch.Tensor  # [K] float32
     copy_target: torch.Tensor  # [E] long: the target of each trained copy
     copy_seq: torch.Tensor  # [E] long: its sequence (leaf), unique within the batch
@@ -270,7 +268,8 @@ def collate_packed(units: list[PackedTree], pad_id: int, align: int = 1) -> Pack
         pos.append(u.depth)
         pred.append(np.where(u.pred >= 0, u.pred + offset, -1))
         end.append(u.end + offset)
-        picked = np.flatnonzero((u.pred >= 0) & (u.count > 0))
+        count = np.bincount(u.c_node, minlength=u.num_tokens)  # trained copies per node
+        picked = np.flatnonzero((u.pred >= 0) & (count > 0))
         sel.append(picked + offset)
         local.append(picked)
         target_of = np.full(u.num_tokens, -1, np.int64)
@@ -293,16 +292,15 @@ def collate_packed(units: list[PackedTree], pad_id: int, align: int = 1) -> Pack
         return torch.from_numpy(np.concatenate([c[k] for c in copies]).astype(dtype)
                                 if units else np.zeros(0, dtype))
 
-    def f32(name: str) -> torch.Tensor:  # a per-node array at the targets
-        return torch.from_numpy(np.concatenate([getattr(u, name)[p] for u, p in zip(
-            units, local)]).astype(np.float32) if units else np.zeros(0, np.float32))
-
+    copy_target = cat(0, np.int64)
+    mu = np.concatenate([u.mu[p] for u, p in zip(units, local)]) if units else np.zeros(0)
     return PackedBatch(
         input_ids=torch.from_numpy(all_ids)[None], position_ids=torch.from_numpy(
             np.concatenate(pos))[None], pred=pred_all, end=np.concatenate(end),
         ctx=torch.from_numpy(pred_all[picked].astype(np.int64)),
         targets=torch.from_numpy(all_ids[picked].astype(np.int64)),
-        count=f32("count"), behaviour=f32("mu"), copy_target=cat(0, np.int64),
+        count=torch.bincount(copy_target, minlength=int(picked.shape[0])).float(),
+        behaviour=torch.from_numpy(mu.astype(np.float32)), copy_target=copy_target,
         copy_seq=cat(1, np.int64), copy_m=cat(2, np.float32), copy_adv=cat(3, np.float32),
         tokens=tokens, leaf_tokens=sum(u.leaf_tokens for u in units),
         kept_apart=sum(u.kept_apart for u in units))
