@@ -50,6 +50,7 @@ from common import (
 )
 
 SCRATCH = SCRATCH_DIR
+RAW_MAX_TOKENS = 64  # a raw request's tokens (the actor's rounds run to a stop or the budget)
 
 
 def bench_config(model: str, target: int, group_size: int, extra: list[str],
@@ -62,7 +63,7 @@ def bench_config(model: str, target: int, group_size: int, extra: list[str],
         f"actors.concurrent_groups={max(1, slots // group_size)}",
         "rollout.mode=grpo", f"rollout.group_size={group_size}",
         f"rollout.initial_samples={group_size}", "rollout.tool_call_limit=3",
-        "sampling.max_new_tokens=64", "sampling.max_response_tokens=256",
+        "sampling.round_max_tokens=null", "sampling.max_response_tokens=256",
         "tools.enabled=[python]", f"run.dir={SCRATCH}/run", *extra])
 
 
@@ -74,12 +75,13 @@ def runner(delay_s: float, concurrency: int):
 
 
 def raw_sampling(cfg, tokenizer) -> dict:
-    """The parameters AgentRollout sends for a round."""
+    """The parameters of a raw request: AgentRollout's for a round, capped at
+    ``RAW_MAX_TOKENS``."""
     from toolenv.tags import STOP_TAGS
 
     s = cfg.sampling
     stops = [tokenizer.convert_tokens_to_ids(t) for t in STOP_TAGS] + [tokenizer.eos_token_id]
-    return {"max_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
+    return {"max_tokens": RAW_MAX_TOKENS, "temperature": s.temperature, "top_p": s.top_p,
             "stop_token_ids": stops, "logprobs": s.logprobs_topk}
 
 

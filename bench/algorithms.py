@@ -39,7 +39,7 @@ def _cfg(args, mode: str, run_dir: str):
 
     return config_from_dict({
         "run": {"dir": run_dir, "seed": 0},
-        "sampling": {"max_new_tokens": 24, "max_response_tokens": 192},
+        "sampling": {"max_response_tokens": 192},
         "rollout": {"mode": mode, "group_size": args.group_size,
                     "initial_samples": args.initial, "alpha": args.alpha, "beta": args.beta,
                     "tool_call_limit": 3},

@@ -64,7 +64,7 @@ BENCH = Path(__file__).resolve().parent
 TARGET = 1.6
 DELAY_ENV = "ARPO_BENCH_TOOL_DELAY_S"  # how the bench tells the actor's tool its latency
 BASE = ["actors.num=1", "actors.engine=vllm", "actors.threads=1", "learner.threads=1",
-        "learner.world_size=1", "learner.sync_every=1", "task.name=arith", "run.quiet=true",
+        "learner.world_size=1", "learner.sync_every=1", "task.name=arith",
         "learner.batch_groups=2", "actors.concurrent_groups=2", "rollout.group_size=8"]
 
 
@@ -88,7 +88,7 @@ def workload_overrides(name: str, a) -> list[str]:
     if name == "plain":
         model = SCRATCH / f"model_h{a.hidden}_l{a.layers}"  # the launcher builds it
         return [*BASE, *sizes, f"model.path={model}", "rollout.mode=grpo", "tools.enabled=[]",
-                "sampling.max_new_tokens=64", "sampling.max_response_tokens=64"]
+                "sampling.max_response_tokens=64"]
     model = SCRATCH / f"tool_caller_h{a.hidden}_l{a.layers}"
     ensure_tiny(model.with_name(model.name + "-base"), a.hidden, a.layers)  # its sizes
     build_tool_caller(model)
@@ -96,7 +96,7 @@ def workload_overrides(name: str, a) -> list[str]:
             ["tools.enabled=[]", "tools.custom=[async_vs_sync:BenchSleepTool]"])
     return [*BASE, *sizes, f"model.path={model}", "rollout.mode=arpo",
             "rollout.initial_samples=4", "rollout.tool_call_limit=3", *tool,
-            "sampling.max_new_tokens=64", f"sampling.max_response_tokens={a.arpo_tokens}"]
+            f"sampling.max_response_tokens={a.arpo_tokens}"]
 
 
 def pinned_run(overrides: list[str], run_dir: Path, timeout_s: float, env: dict) -> dict:

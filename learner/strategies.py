@@ -1,13 +1,13 @@
 """How the trainer lays out a rank's leaves and runs the model on them: one strategy per
 ``learner.packing``, chosen once (``build_strategy``).
 
-- ``PaddedStrategy`` (``padded``): ``learner.micro_batches`` padded batches of one row per
+- ``PaddedStrategy`` (``padded``): ``learner.min_micro_batches`` padded batches of one row per
   leaf (learner/batching.py) and the model's full logits: the reference the packed path
   must equal (tests/unit/test_packing_exact.py).
 - ``PackedStrategy`` (``tree``, ``flat``): each group one token tree, or each leaf one
   chain (learner/packing.py), several per micro-batch up to
   ``learner.max_tokens_per_microbatch``, in as many micro-batches as the busiest rank
-  needs (at least ``micro_batches``; the ranks agree on the largest count), run with the
+  needs (at least ``min_micro_batches``; the ranks agree on the largest count), run with the
   packed attention (learner/tree_attention.py) and chunked log-probs (learner/logprobs.py).
 
 A strategy owns the micro-batches of one mini-batch, the no-grad forward (proximal and
@@ -70,7 +70,7 @@ class PaddedStrategy:
     """``learner.packing=padded``: one row per leaf, padded to the longest of its batch."""
 
     def __init__(self, cfg, pad_id: int, device: torch.device):
-        self.count, self.pad_id, self.device = cfg.learner.micro_batches, pad_id, device
+        self.count, self.pad_id, self.device = cfg.learner.min_micro_batches, pad_id, device
         self.settings, self.temperature = cfg.learner.loss, cfg.sampling.temperature
         # Under ZeRO-3 on several ranks every call of the output layer is a collective, and
         # padded ranks hold different numbers of positions: one call per micro-batch.
@@ -106,7 +106,7 @@ class PackedStrategy:
 
     def __init__(self, cfg, model, pad_id: int, device: torch.device):
         lc = cfg.learner
-        self.packing, self.min_count = lc.packing, lc.micro_batches
+        self.packing, self.min_count = lc.packing, lc.min_micro_batches
         self.cap, self.chunk = lc.max_tokens_per_microbatch, lc.logprob_chunk_tokens
         self.zero3 = lc.zero_stage == 3
         self.pad_id, self.device = pad_id, device

@@ -121,7 +121,7 @@ class PolicyTrainer:
         self.cfg = cfg
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        self.micro_batches = cfg.learner.micro_batches
+        self.micro_batches = cfg.learner.min_micro_batches
         self.device = setup_device(cfg)  # CPU, or this rank's GPU (learner/device.py)
         tok = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0

@@ -55,8 +55,8 @@ timeout 420 "$PY" -m arpo_async.launch --quiet \
   learner.weight_sync=$SYNC learner.max_steps=30 learner.batch_groups=4 \
   learner.max_staleness=1 learner.lr=1e-5 \
   rollout.mode=grpo rollout.group_size=8 rollout.initial_samples=8 \
-  sampling.max_new_tokens=128 sampling.max_response_tokens=128 \
-  run.probe_logprobs=true transport.timeout_s=60
+  sampling.max_response_tokens=128 \
+  run.probe_logprobs=true transport.request_timeout_s=60
 CODE=$?
 set -e
 kill $SAMPLER 2>/dev/null || true

@@ -75,9 +75,7 @@ def window_request(cfg, stop_ids: list[int], stop_strings: list[str]
     s, k = cfg.sampling, cfg.rollout.entropy_window
 
     def request(prefix: list[int], used: int, seed: int) -> GenRequest | None:
-        budget = s.max_response_tokens - used
-        limit = budget if s.round_limit == "budget" else min(s.max_new_tokens, budget)
-        n = min(k, limit, cfg.model.max_model_len - len(prefix))
+        n = min(k, s.round_tokens(used), cfg.model.max_model_len - len(prefix))
         if n < 1:
             return None
         return GenRequest(prompt_tokens=list(prefix), max_tokens=n,

@@ -169,7 +169,7 @@ class Soak:
                     lr=p.sft_lr, batch_size=p.sft_batch_size, seed=self.cfg.run.seed,
                     threads=p.threads, warmup_frac=p.sft_warmup_frac,
                     min_lr_frac=p.sft_min_lr_frac, max_len=self.cfg.model.max_model_len,
-                    log=lambda s: None, chunk=self.cfg.learner.logprob_chunk_tokens)
+                    log=lambda s: None, chunk=p.sft_logprob_chunk_tokens)
         return str(out)
 
     def start_launcher(self, resume: bool = False) -> None:

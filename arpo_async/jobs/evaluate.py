@@ -120,8 +120,9 @@ def split_too_long(source: Any, prompts: list, data: Path,
                "skipped": "too_long", "prompt_tokens": len(p.tokens)}
         if refuse:
             raise DataError(f"{data}: row {row['row']}: prompt of {len(p.tokens)} tokens > "
-                            f"{source.max_tokens} (model.max_model_len="
-                            f"{source.cfg.model.max_model_len}); raise it, or drop "
+                            f"{source.max_tokens} (sampling.max_prompt_tokens="
+                            f"{source.cfg.sampling.max_prompt_tokens}, model.max_model_len="
+                            f"{source.cfg.model.max_model_len}); raise them, or drop "
                             "--refuse-too-long to skip and count such rows")
         skipped.append(row)
     return kept, skipped

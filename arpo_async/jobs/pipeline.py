@@ -122,7 +122,7 @@ def cold_start_sft(cfg: Config, model_path: str, out: Path) -> dict:
                   warmup_frac=p.sft_warmup_frac, min_lr_frac=p.sft_min_lr_frac,
                   max_len=cfg.model.max_model_len, log=lambda s: print(s, flush=True),
                   tools=cfg.tools, template_kwargs=cfg.model.chat_template_kwargs,
-                  chunk=cfg.learner.logprob_chunk_tokens)
+                  chunk=p.sft_logprob_chunk_tokens)
     return {k: v for k, v in res.items() if k != "history"}
 
 
@@ -133,7 +133,7 @@ def run_eval(cfg: Config, model_path: str, retriever_url: str, out: Path) -> dic
     ecfg.actors.threads = p.threads
     res = evaluate(ecfg, Path(p.data_dir) / "heldout.jsonl", k=p.eval_k,
                    limit=p.eval_limit or None, out_dir=out,
-                   temperature=p.eval_temperature if p.eval_temperature >= 0 else None,
+                   temperature=p.eval_temperature,
                    engine=p.eval_engine or None, retriever_url=retriever_url)
     return {"dir": str(out), **res}
 
@@ -239,7 +239,7 @@ def _user_config(args) -> tuple[Config, Path]:
 def run(args) -> int:
     """The whole job; returns the exit code (the summary is printed and saved)."""
     cfg, run_dir = _user_config(args)
-    quiet = bool(args.quiet or cfg.run.quiet)
+    quiet = bool(args.quiet)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / USER_CONFIG)
     stages = StageLog(run_dir)

@@ -11,10 +11,11 @@ need the tool classes or the model's tokenizer are injected from here.
 - Lengths, once the tokenizer can be read: every prompt of the run's task, chat-templated
   as the actor sends it (system prompt, the tools block of ``tools.syntax``, question,
   ``model.chat_template_kwargs``), plus ``sampling.max_response_tokens``, against
-  ``model.max_model_len``. ``sampling.on_overflow = refuse`` stops the run in one line
-  naming the keys, the numbers and the longest prompt; ``skip`` leaves such prompts out
-  (the actors count them, ``prompts_skipped_too_long``); ``cap`` runs them (a trajectory
-  that fills ``max_model_len`` ends as ``length``, counted in ``rollout/context_full``).
+  ``model.max_model_len``. Prompts longer than ``sampling.max_prompt_tokens`` are left out
+  (the actors count them, ``prompts_skipped_too_long``); of the others, one that does not
+  fit stops the run under ``sampling.on_overflow = refuse``, in one line naming the keys,
+  the numbers and the longest prompt, and runs under ``cap`` (a trajectory that fills
+  ``max_model_len`` ends as ``length``, counted in ``rollout/context_full``).
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ from toolenv.tool_classes import check_custom_tools
 
 @dataclass
 class LengthReport:
-    prompts: int
-    longest: int  # tokens of the longest prompt
+    prompts: int  # the prompts the run takes (not over sampling.max_prompt_tokens)
+    longest: int  # tokens of the longest of them
     longest_id: str  # its id (and file row)
     room: int  # model.max_model_len - sampling.max_response_tokens
-    over: int  # prompts longer than room
+    over: int  # of them, those longer than room
 
     def line(self) -> str:
         return (f"{self.prompts} prompts, the longest {self.longest} tokens ({self.longest_id}); "
@@ -76,20 +77,23 @@ def check_lengths(cfg: Config, tokenizer=None) -> LengthReport | None:
     s, limit = cfg.sampling, cfg.model.max_model_len
     room = limit - s.max_response_tokens
     lengths = [(len(source.encode(p).tokens), p) for p in source.items]
-    longest, prompt = max(lengths, key=lambda x: x[0])
+    # the prompts the run takes: longer than sampling.max_prompt_tokens are left out
+    taken = [(n, p) for n, p in lengths if n <= (s.max_prompt_tokens or n)]
+    if not taken:
+        raise ConfigError(f"sampling.max_prompt_tokens={s.max_prompt_tokens}: every prompt "
+                          "is longer")
+    longest, prompt = max(taken, key=lambda x: x[0])
     row = prompt.meta.get("row")
-    report = LengthReport(len(lengths), longest,
+    report = LengthReport(len(taken), longest,
                           prompt.id + (f", {cfg.task.data} row {row}" if row is not None else ""),
-                          room, sum(n > room for n, _ in lengths))
+                          room, sum(n > room for n, _ in taken))
     if report.over and s.on_overflow == "refuse":
         raise ConfigError(
             f"the longest prompt ({report.longest_id}) is {longest} tokens: + "
             f"sampling.max_response_tokens={s.max_response_tokens} = "
             f"{longest + s.max_response_tokens} > model.max_model_len={limit} ({report.over} "
             f"of {report.prompts} prompts); raise model.max_model_len, lower "
-            "sampling.max_response_tokens, or set sampling.on_overflow=skip (leave them out) "
-            "or cap (a trajectory that fills max_model_len ends as length)")
-    if report.over and s.on_overflow == "skip" and report.over == report.prompts:
-        raise ConfigError(f"sampling.on_overflow=skip: every prompt is longer than "
-                          f"model.max_model_len - sampling.max_response_tokens = {room} tokens")
+            f"sampling.max_response_tokens, set sampling.max_prompt_tokens={room} (leave them "
+            "out) or sampling.on_overflow=cap (a trajectory that fills max_model_len ends as "
+            "length)")
     return report

@@ -275,7 +275,7 @@ def run_sft(model_dir: str | Path, data_path: str | Path, out_dir: str | Path,
     when given, else over the time budget. ``tools``: the run's ``ToolsConfig``, so the
     traces are encoded in its ``tools.syntax`` with its tools (None: ARPO's tags as
     written); ``template_kwargs``: extra chat-template arguments (``model.chat_template_kwargs``);
-    ``chunk``: targets per output-layer pass (``learner.logprob_chunk_tokens``). Returns the
+    ``chunk``: targets per output-layer pass (``pipeline.sft_logprob_chunk_tokens``). Returns the
     run's figures."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer  # transformers: heavy

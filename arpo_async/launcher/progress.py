@@ -13,14 +13,15 @@ from arpo_async.core.metrics import read_metrics
 
 
 class Progress:
-    def __init__(self, cfg, every_s: float = 5.0):
+    def __init__(self, cfg, quiet: bool = False, every_s: float = 5.0):
+        """``quiet`` (the launcher's --quiet): plain lines, as when stdout is no terminal."""
         self.cfg = cfg
         self.t0 = time.time()
         self.every_s = every_s
         self.last_print = 0.0
         self.notes: list[str] = []
         self.live = None
-        if not cfg.run.quiet and sys.stdout.isatty():
+        if not quiet and sys.stdout.isatty():
             self.live = Live(self._render(None), refresh_per_second=2, transient=False)
             self.live.start()
 

@@ -73,8 +73,6 @@ def resolve(args: LaunchRequest, prepare: Preflight | None = None) -> Config:
         cfg = load_config(path, args.overrides)
     else:
         cfg = load_config(args.config, args.overrides)
-    if args.quiet:
-        cfg.run.quiet = True
     cfg.check_trainable()
     _check_security(cfg)
     if prepare is not None:
@@ -271,7 +269,7 @@ def launch(args: LaunchRequest, prepare: Preflight | None = None) -> int:
     if cfg.cluster.device == "cpu":  # GPU learners use DeepSpeed's CUDA ops instead
         prebuild_deepspeed_ops()
     _print_remote(remote)
-    progress = Progress(cfg)
+    progress = Progress(cfg, quiet=args.quiet)
     t0 = time.time()
     for r in roles:
         if r.proc is None:

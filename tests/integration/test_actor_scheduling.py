@@ -72,7 +72,7 @@ def _cfg(run_dir, model, **actors):
         "run": {"dir": str(run_dir), "seed": 1, "probe_logprobs": False},
         "model": {"path": str(model), "max_model_len": 512},
         "actors": {"heartbeat_s": 0.2, **actors},
-        "sampling": {"max_new_tokens": 24, "max_response_tokens": 96},
+        "sampling": {"max_response_tokens": 96},
         "rollout": {"mode": "grpo", "group_size": GROUP, "initial_samples": GROUP,
                     "tool_call_limit": 2},
         "tools": {"enabled": ["python"]},

@@ -31,7 +31,7 @@ def test_entropy_analysis_writes_its_files(tmp_path):
         [PY, "-m", "arpo_async.jobs.analyze", "entropy", "--model", str(model), "--data", str(data),
          "--out", str(out), "--limit", "4", "--k", "2", "--resample", "3",
          "--config", "configs/spine.yaml",
-         "actors.engine=transformers", "sampling.max_new_tokens=24",
+         "actors.engine=transformers", "sampling.round_max_tokens=null",
          "sampling.max_response_tokens=160", "rollout.tool_call_limit=3",
          "tools.enabled=[python]"],
         cwd=REPO, env=python_env(), capture_output=True, text=True, timeout=400)

@@ -24,8 +24,7 @@ M, N, PROMPTS = 8, 2, 3
 def _cfg(mode: str, run_dir, **rollout) -> object:
     return config_from_dict({
         "run": {"dir": str(run_dir), "seed": 3},
-        "sampling": {"max_new_tokens": 24, "max_response_tokens": 160,
-                     "round_limit": "max_new_tokens"},
+        "sampling": {"round_max_tokens": 24, "max_response_tokens": 160},
         "rollout": {"mode": mode, "group_size": M, "initial_samples": N, "alpha": 1.0,
                     "beta": 0.0, "tool_call_limit": 3, **rollout},
         "tools": {"enabled": ["python"], "timeout_s": 5.0, "python_cpu_s": 2},

@@ -22,8 +22,8 @@ from tests.conftest import PY, REPO, python_env
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 FAULTS = "learner_kill,launcher_kill,actor_stop,frames,retriever_kill,sandbox_kill"
-SMALL_RUN = ["rollout.mode=grpo", "rollout.group_size=4", "sampling.max_new_tokens=48",
-             "sampling.max_response_tokens=96", "learner.batch_groups=2",
+SMALL_RUN = ["rollout.mode=grpo", "rollout.group_size=4", "sampling.max_response_tokens=96",
+             "learner.batch_groups=2",
              "actors.max_inflight_trajectories=8", "pipeline.suite_entities=40",
              "pipeline.suite_sft=20", "pipeline.suite_rl=200", "pipeline.suite_heldout=10",
              "learner.checkpoint_every=4", "actors.engine=simulated"]

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 FUZZ_FRAMES = 10_000
 MAX_MB = 8  # transport.max_message_mb of the fuzz run
 STEPS = 18  # learner.max_steps: the frames are in by step ~6, actor 1 given up by ~8
-# transport.timeout_s: the learner waits this long at the end for the Bye of actor 1,
+# transport.request_timeout_s: the learner waits this long at the end for the Bye of actor 1,
 # which it gave up on (the default 30 s was half of this test's time); actors' requests
 # time out and are retried after it (test_faults_processes.py runs with 1.5 s)
 TIMEOUT_S = 5
@@ -35,7 +35,7 @@ def test_fuzzed_frames_and_an_actor_that_keeps_dying_leave_training_going(tiny_m
     run_dir = tmp_path / "run"
     run = Run(run_dir, tiny_model_dir, "actors.num=2", "actors.engine=transformers",
               f"learner.max_steps={STEPS}", "rollout.mode=grpo", "rollout.group_size=4",
-              f"transport.max_message_mb={MAX_MB}", f"transport.timeout_s={TIMEOUT_S}",
+              f"transport.max_message_mb={MAX_MB}", f"transport.request_timeout_s={TIMEOUT_S}",
               "actors.max_restarts=1", "actors.restart_backoff_s=0.5", "learner.actor_silent_s=3")
     run.wait_for("step 1", lambda: run.step() >= 1, 300)
     import zmq

@@ -27,7 +27,7 @@ STOP_AT = 8
 # learner.max_steps of the kill+stall run: the stall is over by step ~11, the rest is the
 # recovery (both actors train again)
 MAX_STEPS = 16
-# transport.timeout_s of the kill+stall run: the stall lasts as long as actor 0's restart.
+# transport.request_timeout_s of the kill+stall run: the stall lasts as long as actor 0's restart.
 # Past the default 30 s, actor 1's requests time out when it resumes and it says Hello
 # again, which voids its tickets another way; request timeouts and reconnects are the
 # frozen-learner test's subject, below.
@@ -99,14 +99,15 @@ def test_killed_actor_restarts_and_a_stalled_one_only_loses_its_late_groups(tiny
     actor 0 held when it was killed may be released as "actor_silent" too: that counter
     alone does not tell that actor 1 held one.)"""
     # long groups (a random model rarely stops early): actors are busy generating, so a
-    # stopped actor holds tickets (spine.yaml caps responses at 96 tokens: lift it too)
+    # stopped actor holds tickets (spine.yaml caps a sample at 48 tokens and a response at
+    # 96: lift both)
     run = Run(tmp_path / "run", tiny_model_dir, "actors.num=2", f"learner.max_steps={MAX_STEPS}",
-              "rollout.mode=grpo", "rollout.group_size=8", "sampling.max_new_tokens=192",
+              "rollout.mode=grpo", "rollout.group_size=8", "sampling.round_max_tokens=192",
               "sampling.max_response_tokens=192", "learner.batch_groups=2",
               "actors.max_inflight_trajectories=0", "actors.concurrent_groups=2",
               f"learner.actor_silent_s={SILENT_S}",
               "actors.restart_backoff_s=1", "actors.max_restarts=2",
-              f"transport.timeout_s={REQUEST_TIMEOUT_S}",
+              f"transport.request_timeout_s={REQUEST_TIMEOUT_S}",
               env={FAULT_STOP_AFTER_GRANT: f"1:{STOP_AT}"})
     # actor 0 is killed once the learner recorded it past its first prompt: its restart
     # then has a stream position to continue from (checked at the end), whatever share
@@ -186,7 +187,7 @@ def test_a_learner_frozen_past_the_request_timeout_loses_no_capacity(tiny_model_
     the grants nobody waits for (else each flap leaks admission capacity for good)."""
     run = Run(tmp_path / "run", tiny_model_dir, "actors.num=2", "actors.engine=transformers",
               "learner.max_steps=12", "rollout.mode=grpo", "rollout.group_size=4",
-              "transport.timeout_s=1.5", "learner.wait_timeout_s=60",
+              "transport.request_timeout_s=1.5", "learner.wait_timeout_s=60",
               # group slots: each holds at most one ticket, so the bound below is exact
               "actors.max_inflight_trajectories=0", "actors.concurrent_groups=4")
     run.wait_for("step 2", lambda: run.step() >= 2, 300)

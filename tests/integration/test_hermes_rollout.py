@@ -51,7 +51,7 @@ def _cfg(syntax: str, run_dir) -> object:
     return config_from_dict({
         "run": {"dir": str(run_dir), "seed": 5},
         "model": {"max_model_len": 1024},
-        "sampling": {"max_new_tokens": 12, "max_response_tokens": 200},
+        "sampling": {"max_response_tokens": 200},
         "rollout": {"mode": "arpo", "group_size": M, "initial_samples": N, "alpha": 1.0,
                     "beta": 0.0, "tool_call_limit": 1},
         "tools": {"custom": [CALC], "syntax": syntax, "timeout_s": 5.0},
@@ -197,7 +197,7 @@ async def test_mcp_tool_and_python_session_through_vllm(tiny_model_dir, tmp_path
     cfg = config_from_dict({
         "run": {"dir": str(tmp_path / "run"), "seed": 5},
         "model": {"max_model_len": 1024},
-        "sampling": {"max_new_tokens": 24, "max_response_tokens": 200},
+        "sampling": {"max_response_tokens": 200},
         "rollout": {"mode": "arpo", "group_size": M, "initial_samples": N, "alpha": 1.0,
                     "beta": 0.0, "tool_call_limit": 2},
         "tools": {"enabled": ["python"], "python_state": "session", "timeout_s": 10.0,

@@ -49,7 +49,7 @@ for packing in (("padded", "tree") if world == 1 else ("tree",)):
     trainer = PolicyTrainer(cfg, model)
     out[f"kl_{packing}"] = [trainer.train_step(part(seed))["loss/kl"] for seed in range(1, 6)]
 
-cfg = load_config(SPINE_CONFIG, base + [f"learner.micro_batches={3 if world > 1 else 1}",
+cfg = load_config(SPINE_CONFIG, base + [f"learner.min_micro_batches={3 if world > 1 else 1}",
                                         "learner.loss.aepo_entropy_adv_gamma=0.2",
                                         "learner.loss.aepo_entropy_clip=true"])
 torch.manual_seed(0)

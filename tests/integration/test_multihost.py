@@ -32,14 +32,14 @@ def _free_ports(n: int) -> list[int]:
 def _write_config(path: Path, run_dir: Path, model: Path) -> None:
     traj, ctrl = _free_ports(2)
     path.write_text(yaml.safe_dump({
-        "run": {"dir": str(run_dir), "quiet": True},
+        "run": {"dir": str(run_dir)},
         "model": {"path": str(model)},
         "actors": {"num": 0, "engine": "transformers", "start_wait_s": 120,
                    "max_restarts": 0},
         "cluster": {"remote_actors": [{"host": "127.0.0.1", "actors": 2}]},
         "transport": {"host": "127.0.0.1", "trajectory_port": traj, "control_port": ctrl},
         "rollout": {"mode": "grpo", "group_size": 4, "initial_samples": 4},
-        "sampling": {"max_new_tokens": 16, "max_response_tokens": 32},
+        "sampling": {"round_max_tokens": 16, "max_response_tokens": 32},
         "learner": {"max_steps": 3, "batch_groups": 2, "sync_every": 1, "max_staleness": 1,
                     "wait_timeout_s": 180},
     }))

@@ -75,15 +75,15 @@ class Run:
             d.mkdir(parents=True)
         self.run_dir = self.dirs["learner"] / "run"
         cfg = {
-            "run": {"dir": "run", "quiet": True}, "model": {"path": str(model)},
+            "run": {"dir": "run"}, "model": {"path": str(model)},
             "actors": {"num": 0, "engine": "simulated", "start_wait_s": 120,
                        "max_restarts": 0, "max_inflight_trajectories": 4},
             "cluster": {"remote_actors": [{"host": hosts.addr[n], "actors": 1}
                                           for n in ("a0", "a1")]},
             "transport": {"host": hosts.addr["learner"], "trajectory_port": TRAJ_PORT,
-                          "control_port": CTRL_PORT, "timeout_s": 5},
+                          "control_port": CTRL_PORT, "request_timeout_s": 5},
             "rollout": {"mode": "grpo", "group_size": 4, "initial_samples": 4},
-            "sampling": {"max_new_tokens": 16, "max_response_tokens": 32},
+            "sampling": {"round_max_tokens": 16, "max_response_tokens": 32},
             "sim": {"tokens_per_s": 16, "round_tokens_min": 16, "round_tokens_max": 16,
                     "chunk_tokens": 2},
             "learner": {"batch_groups": 2, "max_staleness": 1, "actor_silent_s": 3,
@@ -362,4 +362,4 @@ def test_actors_stop_cleanly_when_the_learner_host_vanishes(hosts, tiny_model_di
         assert f"no answer from the learner for transport.connect_timeout_s={wait_s:g} s" in out
         assert "not restarting it" in out and "restart 1/" not in out
     print(f"\nlearner host gone: both actors stopped (exit 69) {stopped_s:.1f} s after the cut "
-          f"(transport.connect_timeout_s={wait_s:g}, transport.timeout_s=5)")
+          f"(transport.connect_timeout_s={wait_s:g}, transport.request_timeout_s=5)")

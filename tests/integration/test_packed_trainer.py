@@ -60,7 +60,7 @@ def groups(seed):
 
 cfg = load_config(SPINE, [f"model.path={model}", f"learner.zero_stage={zero}",
                          f"learner.world_size={world}", "learner.lr=0.001",
-                         "learner.micro_batches=2", f"learner.packing={packing}",
+                         "learner.min_micro_batches=2", f"learner.packing={packing}",
                          "learner.max_tokens_per_microbatch=60", "learner.logprob_chunk_tokens=16",
                          "learner.loss.advantage=hard", "learner.loss.proximal=recompute"]
                   + loss_keys)
@@ -99,7 +99,7 @@ def test_packed_steps_equal_padded_steps(tiny_model_dir, tmp_path, world, zero, 
     ref, ref_metrics = _run(tmp_path, tiny_model_dir, zero, world, "padded", loss)
     for packing in packings:
         got, metrics = _run(tmp_path, tiny_model_dir, zero, world, packing, loss)
-        # one rank: the token cap splits the step beyond micro_batches=2
+        # one rank: the token cap splits the step beyond min_micro_batches=2
         assert metrics[0]["packing/microbatches"] > (2 if world == 1 else 1)
         assert metrics[0]["packing/tokens"] < metrics[0]["packing/leaf_tokens"] \
             or packing == "flat"

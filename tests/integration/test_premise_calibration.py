@@ -85,7 +85,7 @@ def _cfg(model, data, *extra):
         "sim.entropy_noise=0.05", "tools.enabled=[python]", "rollout.tool_call_limit=3",
         "rollout.entropy_estimator=tail_corrected", "rollout.entropy_reduce=sum",
         "rollout.alpha=0.5", "rollout.beta=0.2", "sampling.max_response_tokens=320",
-        "sampling.max_new_tokens=96", "model.max_model_len=1024", "task.name=file",
+        "sampling.round_max_tokens=null", "model.max_model_len=1024", "task.name=file",
         f"task.data={data}", *extra])
 
 

@@ -78,7 +78,7 @@ async def test_sft_then_evaluation_with_a_hermes_call_in_the_sandbox(chain, tmp_
     assert json.loads((ckpt / "config.json").read_text())["vocab_size"] == 151936
     cfg = config_from_dict({"model": {"path": str(ckpt), "max_model_len": 1024,
                                       "chat_template_kwargs": OFF},
-                            "sampling": {"max_new_tokens": 48, "max_response_tokens": 300},
+                            "sampling": {"max_response_tokens": 300},
                             "actors": {"kv_cache_gib": 0.25}, "tools": HERMES})
     summary = await evaluate_async(cfg, suite / "heldout.jsonl", k=1, out_dir=tmp_path / "eval",
                                    log=lambda line: None)
@@ -104,7 +104,7 @@ def test_rl_steps_through_the_launcher_agree_at_step_one(chain, tmp_path):
         "actors.num=1", "actors.kv_cache_gib=0.25", "task.name=file",
         f"task.data={suite / 'rl.jsonl'}", "tools.enabled=[python]", "tools.syntax=hermes",
         "rollout.mode=arpo", "rollout.group_size=4", "rollout.initial_samples=2",
-        "rollout.tool_call_limit=2", "sampling.max_new_tokens=48",
+        "rollout.tool_call_limit=2", "sampling.round_max_tokens=null",
         "sampling.max_response_tokens=300", "learner.max_steps=3", "learner.batch_groups=1",
         # lockstep: step 3 trains only groups sampled on v2, so the actor loads (and
         # probes) v1 and v2 before the run can end, whatever the timing

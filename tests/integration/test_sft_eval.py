@@ -26,7 +26,7 @@ from toolenv.tasks import suite as gen
 pytestmark = pytest.mark.integration
 
 SPEC = gen.SuiteSpec(seed=1, entities=600, sft=300, rl=6, heldout=12)
-EVAL_OVERRIDES = {"sampling": {"max_new_tokens": 48, "max_response_tokens": 200},
+EVAL_OVERRIDES = {"sampling": {"max_response_tokens": 200},
                   "tools": {"search_topk": SPEC.topk, "search_snippet_chars": SPEC.snippet_chars},
                   "actors": {"kv_cache_gib": 0.25}}
 
@@ -193,7 +193,7 @@ def test_evaluate_skips_and_names_prompts_too_long_for_the_model(data_dir, sft_r
 
     # MATH-500 problems run past a 192-token context: skipped, counted, named; the rest
     # is evaluated
-    cfg = _cfg(Path(sft_run["out"]), sampling={"max_new_tokens": 24, "max_response_tokens": 48})
+    cfg = _cfg(Path(sft_run["out"]), sampling={"max_response_tokens": 48})
     cfg.model.max_model_len = 192
     summary = evaluate(cfg, data_dir / "math500_test.jsonl", k=1, limit=8, out_dir=tmp_path,
                        engine="transformers", log=lambda line: None)

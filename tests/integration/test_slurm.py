@@ -175,7 +175,7 @@ def test_sbatch_script_places_learner_and_two_actor_steps(cluster, tiny_model_di
          "1", "--config", SPINE, f"run.dir={run_dir}", f"model.path={tiny_model_dir}",
          "actors.engine=simulated", "actors.num=2", "learner.max_steps=3",
          f"transport.trajectory_port={traj}", f"transport.control_port={ctrl}",
-         f"cluster.master_port={rdzv}", "transport.timeout_s=10"],
+         f"cluster.master_port={rdzv}", "transport.request_timeout_s=10"],
         cwd=tmp_path, env=cluster.env, capture_output=True, text=True, timeout=120)
     assert sub.returncode == 0, sub.stdout + sub.stderr
     job = sub.stdout.split("submitted job ")[1].split(";")[0].split()[0]

@@ -67,7 +67,7 @@ async def test_a_tool_call_ending_inside_a_merged_token(tags_as_text_model_dir, 
     model = scripted_model(tags_as_text_model_dir, tmp_path / "scripted", tok, _law(tok))
     cfg = config_from_dict({
         "run": {"dir": str(tmp_path / "run"), "seed": 1},
-        "sampling": {"max_new_tokens": 48, "max_response_tokens": 160},
+        "sampling": {"max_response_tokens": 160},
         # P = 1 after the tool round: every global sample forks once
         "rollout": {"mode": "arpo", "group_size": M, "initial_samples": N, "alpha": 1.0,
                     "beta": 0.0},

@@ -57,7 +57,7 @@ def _cfg(**rollout):
     return config_from_dict({
         "rollout": {"mode": "aepo", "group_size": M, "initial_samples": 4, "alpha": 1.0,
                     "beta": 0.0, "aepo_branch_penalty": 0.0, **rollout},
-        "sampling": {"max_new_tokens": 32, "max_response_tokens": 200},
+        "sampling": {"max_response_tokens": 200},
         "tools": {"enabled": ["python"]}, "task": {"name": "arith"}})
 
 

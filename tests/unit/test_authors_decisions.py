@@ -237,7 +237,7 @@ async def test_the_rollout_decides_one_round_earlier(tiny_model_dir, monkeypatch
     cfg = config_from_dict({
         "rollout": {"mode": "arpo", "group_size": 2, "initial_samples": 2, "alpha": 0.0,
                     "beta": 0.0, "fork_h_init": "own", "fill": "one_per_round"},
-        "sampling": {"max_new_tokens": 32, "max_response_tokens": 200},
+        "sampling": {"max_response_tokens": 200},
         "tools": {"enabled": ["python"]}, "task": {"name": "arith"}})
     source = PromptSource(cfg, tok)
     rollout = AgentRollout(cfg, _Engine(tok), source, tok, _Tools(), np.random.default_rng(0))

@@ -134,7 +134,7 @@ def test_a_tool_cache_locked_by_a_stopped_process_does_not_freeze_the_caller(tmp
 
 async def test_a_request_to_a_learner_that_died_fails_at_once_not_after_the_timeout():
     """Soak finding: after each learner kill, every actor request in flight to the dead
-    process waited transport.timeout_s (30 s) for a reply that could not come ("no answer
+    process waited transport.request_timeout_s (30 s) for a reply that could not come ("no answer
     to ticket_request for 30 s" while the restarted learner was up), so every slot idled
     that long. A dropped connection now fails the pending requests at once (the caller
     retries, reaches the new learner and says Hello)."""

@@ -50,8 +50,8 @@ def test_off_is_a_word_and_on_is_still_a_boolean(tmp_path):
     path.write_text("learner:\n  loss:\n    is_mode: off\n")
     assert load_config(path).learner.loss.is_mode == "off"
     assert load_config(SPINE_CONFIG, ["learner.loss.is_mode=off"]).learner.loss.is_mode == "off"
-    assert load_config(SPINE_CONFIG, ["run.quiet=on"]).run.quiet is True
-    assert load_config(SPINE_CONFIG, ["run.quiet=false"]).run.quiet is False
+    assert load_config(SPINE_CONFIG, ["run.probe_logprobs=on"]).run.probe_logprobs is True
+    assert load_config(SPINE_CONFIG, ["run.probe_logprobs=false"]).run.probe_logprobs is False
 
 
 def test_entropy_reduce_defaults_to_the_authors_sum():
@@ -108,11 +108,11 @@ def test_the_loss_type_is_chosen_by_type_and_defaults_to_ppo():
 
 def test_each_wait_and_backoff_has_its_own_key():
     cfg = load_config(SPINE_CONFIG, ["actors.restart_backoff_s=1", "learner.restart_backoff_s=7",
-                                     "transport.timeout_s=3", "actors.stop_wait_s=11",
-                                     "learner.shutdown_wait_s=13"])
+                                     "transport.request_timeout_s=3", "actors.stop_wait_s=11",
+                                     "learner.shutdown_wait_s=13", "transport.send_stall_s=17"])
     assert (cfg.actors.restart_backoff_s, cfg.learner.restart_backoff_s) == (1, 7)
-    assert (cfg.transport.timeout_s, cfg.actors.stop_wait_s,
-            cfg.learner.shutdown_wait_s) == (3, 11, 13)
+    assert (cfg.transport.request_timeout_s, cfg.actors.stop_wait_s,
+            cfg.learner.shutdown_wait_s, cfg.transport.send_stall_s) == (3, 11, 13, 17)
 
 
 def test_run_log_level_reaches_the_project_loggers_only():

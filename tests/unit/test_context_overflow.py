@@ -55,7 +55,7 @@ def _setup(tok, max_model_len: int, **engine):
         "model": {"max_model_len": max_model_len},
         "rollout": {"mode": "arpo", "group_size": M, "initial_samples": 2, "alpha": 1.0,
                     "beta": 0.0, "tool_call_limit": 5},
-        "sampling": {"max_new_tokens": 32, "max_response_tokens": 2000, "on_overflow": "cap"},
+        "sampling": {"max_response_tokens": 2000, "on_overflow": "cap"},
         "tools": {"enabled": ["python"]}, "task": {"name": "arith"}})
     source = PromptSource(cfg, tok)
     prompt = source.next()

@@ -46,7 +46,7 @@ def test_preset_carries_the_published_settings(name):
     # over the window, short rounds as they are, a fork's own first round as its H_init,
     # rounds bounded by the budget alone
     assert (ro.entropy_estimator, ro.entropy_reduce, s.logprobs_topk) == ("reference", "sum", 10)
-    assert (ro.short_round, ro.fork_h_init, s.round_limit) == ("as_is", "own", "budget")
+    assert (ro.short_round, ro.fork_h_init, s.round_max_tokens) == ("as_is", "own", None)
     # one fresh global sample per round while none is live (the fill loop of the same file)
     assert ro.fill == "one_per_round"
     # batch 128 prompts, mini-batch 16: eight optimizer steps per rollout batch of 128

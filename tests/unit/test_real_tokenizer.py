@@ -83,22 +83,23 @@ def test_hermes_turns_are_the_qwen3_templates_own(qwen3_model_dir):
     assert tok.encode("</tool_call>", add_special_tokens=False) == [151658]
 
 
-@pytest.mark.parametrize(("mode", "needle"), [
-    ("refuse", "the longest prompt (arith-"),
-    ("skip", "sampling.on_overflow=skip: every prompt is longer"),
+@pytest.mark.parametrize(("setting", "needle"), [
+    ("sampling.on_overflow=refuse", "the longest prompt (arith-"),
+    ("sampling.max_prompt_tokens=20", "sampling.max_prompt_tokens=20: every prompt is longer"),
 ])
-def test_lengths_are_refused_in_one_line(qwen3_model_dir, mode, needle):
+def test_lengths_are_refused_in_one_line(qwen3_model_dir, setting, needle):
     cfg = load_config(None, [f"model.path={qwen3_model_dir}", "pipeline.enabled=false",
                              "task.name=arith", "task.num_prompts=40", "tools.syntax=hermes",
                              "model.chat_template_kwargs={enable_thinking: false}",
                              "model.max_model_len=512", "sampling.max_response_tokens=320",
-                             f"sampling.on_overflow={mode}"])
+                             setting])
     with pytest.raises(ConfigError) as err:
         check_lengths(cfg)
     msg = str(err.value)
     assert needle in msg and "\n" not in msg
-    if mode == "refuse":
+    if setting.endswith("refuse"):
         assert "sampling.max_response_tokens=320" in msg and "model.max_model_len=512" in msg
+        assert "sampling.max_prompt_tokens=192" in msg  # what leaves them out
 
 
 def test_cap_runs_and_reports_what_it_found(qwen3_model_dir):

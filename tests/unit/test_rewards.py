@@ -212,7 +212,7 @@ async def test_rollout_leaves_score_alike_in_both_syntaxes(tiny_model_dir, synta
     cfg = config_from_dict({
         "rollout": {"mode": "grpo", "group_size": 2, "initial_samples": 2},
         "model": {"max_model_len": 1024},  # the prompt (hermes: tools block) + 400 fit
-        "sampling": {"max_new_tokens": 64, "max_response_tokens": 400},
+        "sampling": {"max_response_tokens": 400},
         "tools": {"enabled": ["python", "search"], "syntax": syntax}})
     source = PromptSource(cfg, tok)
     engine = _ScriptedEngine(source.syntax)

@@ -104,7 +104,7 @@ class FakeTools:
 async def test_a_call_ending_inside_a_token_runs_once_and_its_result_follows(tok, tail):
     cfg = config_from_dict({
         "rollout": {"mode": "grpo", "group_size": 2, "initial_samples": 2},
-        "sampling": {"max_new_tokens": 32, "max_response_tokens": 200},
+        "sampling": {"max_response_tokens": 200},
         "tools": {"enabled": ["python"]}, "task": {"name": "arith"}})
     engine, tools = ScriptedEngine(tok, tail), FakeTools()
     source = PromptSource(cfg, tok)

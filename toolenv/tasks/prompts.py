@@ -91,16 +91,10 @@ class PromptSource:
 
     @property
     def max_tokens(self) -> int:
-        """The longest prompt a rollout takes: ``sampling.max_prompt_tokens`` when set;
-        else, with ``sampling.on_overflow = skip``, what leaves room for the whole
-        response budget (``model.max_model_len - sampling.max_response_tokens``); else one
-        token short of ``model.max_model_len`` (room for at least one new token)."""
-        s = self.cfg.sampling
-        if s.max_prompt_tokens:
-            return s.max_prompt_tokens
-        if s.on_overflow == "skip":
-            return self.cfg.model.max_model_len - s.max_response_tokens
-        return self.cfg.model.max_model_len - 1
+        """The longest prompt a rollout takes: ``sampling.max_prompt_tokens`` when set,
+        else one token short of ``model.max_model_len`` (room for at least one new token)."""
+        limit = self.cfg.sampling.max_prompt_tokens
+        return self.cfg.model.max_model_len - 1 if limit is None else limit
 
     def too_long(self, prompt: Prompt) -> bool:
         """Encodes ``prompt`` when needed; True when it exceeds ``max_tokens``."""

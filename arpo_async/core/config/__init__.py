@@ -42,7 +42,7 @@ __all__ = [
     "ActorsConfig", "ClusterConfig", "Config", "ConfigError", "LearnerConfig", "LOSS_TYPES",
     "LossConfig", "PPOLoss",
     "McpHttpServer", "McpStdioServer", "MetricsConfig", "ModelConfig", "PipelineConfig",
-    "RemoteActorsConfig", "RolloutConfig",
+    "RENAMED", "RemoteActorsConfig", "RolloutConfig",
     "RunConfig", "SamplingConfig", "SimConfig", "TaskConfig", "ToolsConfig",
     "TransportConfig", "config_from_dict", "describe", "load_config", "save_config",
     "total_actors", "CONFIG_DIR", "DEFAULT_CONFIG", "SPINE_CONFIG",
@@ -51,6 +51,29 @@ __all__ = [
 CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "default.yaml"  # the whole job (pipeline): SFT, ARPO, eval
 SPINE_CONFIG = CONFIG_DIR / "spine.yaml"  # the RL stage alone, small: tests and benchmarks
+
+
+# Keys renamed, split or folded so that each has one meaning, and values whose meaning is
+# gone ("key=value"): what to write instead. Refused before validation, in one line naming
+# the new key, so that an old YAML file or override never runs with a different meaning.
+RENAMED: dict[str, str] = {
+    "transport.timeout_s": "split; use transport.request_timeout_s (an actor's control "
+    "request is retried after it) and transport.send_stall_s (a blocked trajectory send is "
+    "logged after it)",
+    "sampling.max_new_tokens": "folded with sampling.round_limit; use sampling.round_max_tokens "
+    "(tokens one round may ask for, a sample without tools being one round; null: the "
+    "remaining response budget)",
+    "sampling.round_limit": "folded with sampling.max_new_tokens; use sampling.round_max_tokens "
+    "(null: as round_limit=budget; N: as round_limit=max_new_tokens with max_new_tokens=N)",
+    "learner.micro_batches": "renamed; use learner.min_micro_batches (at least this many; "
+    "tree/flat packing adds more when learner.max_tokens_per_microbatch needs them)",
+    "sampling.max_prompt_tokens=0": "0 no longer means no limit; use null",
+    "sampling.on_overflow=skip": "removed; set sampling.max_prompt_tokens to "
+    "model.max_model_len - sampling.max_response_tokens (longer prompts are skipped)",
+    "pipeline.eval_temperature=-1": "-1 no longer means sampling.temperature; use null",
+    "run.quiet": "removed; pass --quiet to python -m arpo_async.launch (how one invocation "
+    "shows progress, not part of the run)",
+}
 
 
 class Config(_Section):
@@ -169,7 +192,33 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return config_from_dict(tree)
 
 
+def _value_text(value: Any) -> str | None:
+    """A scalar as a RENAMED "key=value" entry writes it (-1.0 and -1 alike: "-1")."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (int, float)):
+        return f"{value:g}"
+    return value if isinstance(value, str) else None
+
+
+def _renamed(tree: dict, prefix: str = "") -> list[str]:
+    """The RENAMED entries ``tree`` still uses, each as "old: what to use instead"."""
+    found = []
+    for name, value in tree.items():
+        key = f"{prefix}{name}"
+        if isinstance(value, dict):
+            found += _renamed(value, key + ".")
+        for old in (key, f"{key}={_value_text(value)}"):
+            if old in RENAMED:
+                found.append(f"{old}: {RENAMED[old]}")
+    return found
+
+
 def config_from_dict(tree: dict[str, Any]) -> Config:
+    old = _renamed(tree)
+    if old:
+        also = [o.split(": ", 1)[0] for o in old[1:]]
+        raise ConfigError(old[0] + (f"; also {', '.join(also)}" if also else ""))
     try:
         return Config.model_validate(tree)
     except ValidationError as err:

@@ -66,26 +66,33 @@ class ActorsConfig(_Section):
 class SamplingConfig(_Section):
     temperature: float = Field(1.0, description="sampling temperature")
     top_p: float = Field(1.0, description="nucleus sampling mass")
-    max_prompt_tokens: int = Field(0, ge=0, description="skip longer prompts, tokens (0: no limit)")
-    max_new_tokens: int = Field(
-        64, description="tokens per generation round when sampling.round_limit=max_new_tokens, "
-        "and per tool-free sample")
-    round_limit: Literal["budget", "max_new_tokens"] = Field(
-        "budget", description="what bounds one tool round: the trajectory's remaining "
-        "response budget (as the ARPO authors' rollout: a round asks for all of it and runs "
-        "until a stop tag, EOS or the budget), or sampling.max_new_tokens (a round that "
-        "reaches it ends the trajectory as length)")
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="the longest prompt a rollout takes, tokens: longer ones are "
+        "skipped and counted, never sent to the engine (null: any prompt that leaves room for "
+        "one new token under model.max_model_len)")
+    round_max_tokens: int | None = Field(
+        None, ge=1, description="tokens one generation round may ask for, at most (a sample "
+        "without tools is one round); a round that reaches it ends the trajectory as length "
+        "(null: the trajectory's remaining response budget, as the ARPO authors' rollout: a "
+        "round runs until a stop tag, EOS or the budget)")
     max_response_tokens: int = Field(256, description="model + tool tokens per trajectory")
-    on_overflow: Literal["refuse", "skip", "cap"] = Field(
-        "refuse", description="a prompt whose tokens + max_response_tokens exceed "
-        "model.max_model_len: refuse the run at start (naming the numbers), skip such "
-        "prompts (counted), or cap: run them, and a trajectory that fills max_model_len "
-        "ends as length (counted)")
+    on_overflow: Literal["refuse", "cap"] = Field(
+        "refuse", description="a prompt the run takes (sampling.max_prompt_tokens) whose "
+        "tokens + max_response_tokens exceed model.max_model_len: refuse the run at start "
+        "(naming the numbers), or cap: run it, and a trajectory that fills max_model_len ends "
+        "as length (counted). To skip such prompts, set sampling.max_prompt_tokens to "
+        "model.max_model_len - sampling.max_response_tokens")
     logprobs_topk: int = Field(20, description="top-k log-probs returned per token for entropy")
     topk_window_only: bool = Field(
         True, description="ask for top-k log-probs over a round's first rollout.entropy_window "
         "tokens only, where entropy is read (vLLM: a longer round is sent as two requests); "
         "false: top-k on every token, one request per round")
+
+    def round_tokens(self, used: int) -> int:
+        """Tokens the next round may ask for after ``used`` response tokens: the budget
+        left, at most ``round_max_tokens``."""
+        budget = self.max_response_tokens - used
+        return budget if self.round_max_tokens is None else min(self.round_max_tokens, budget)
 
 
 class RolloutConfig(_Section):

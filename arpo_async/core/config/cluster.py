@@ -17,7 +17,14 @@ class TransportConfig(_Section):
     send_hwm: int = Field(4, ge=1, description="groups queued in an actor before send blocks")
     recv_hwm: int = Field(64, ge=1, description="groups queued at the learner socket")
     max_message_mb: float = Field(256.0, description="largest accepted message, MiB")
-    timeout_s: float = Field(30.0, description="request timeout, seconds")
+    request_timeout_s: float = Field(
+        30.0, gt=0, description="an actor's control request (ticket, weights, heartbeat) with "
+        "no reply for this long is retried with backoff, seconds (until "
+        "transport.connect_timeout_s of silence)")
+    send_stall_s: float = Field(
+        30.0, gt=0, description="an actor's trajectory send blocked this long (the learner "
+        "behind or down) is logged and counted as a stall, again after each further such "
+        "wait; the group is kept and the send goes on waiting, seconds")
     connect_timeout_s: float = Field(
         900.0, description="how long an actor waits for an answer from the learner, at start "
         "or after its host vanished, seconds; then the actor stops (exit code 69)")

@@ -18,9 +18,10 @@ class LearnerConfig(_Section):
     lr: float = Field(1e-4, description="AdamW learning rate")
     weight_decay: float = Field(0.0, description="AdamW weight decay")
     grad_clip: float = Field(1.0, description="gradient norm clip")
-    micro_batches: int = Field(
-        1, ge=1, description="forward/backward micro-batches per optimizer step per rank "
-        "(gradient accumulation within one mini-batch)")
+    min_micro_batches: int = Field(
+        1, ge=1, description="forward/backward micro-batches per optimizer step per rank, at "
+        "least (gradient accumulation within one mini-batch): padded packing uses this many, "
+        "tree/flat packing more when learner.max_tokens_per_microbatch needs them")
     minibatches: int = Field(
         1, ge=1, description="optimizer steps per rollout batch: each rank's part is split "
         "by groups into this many mini-batches, one step each, as verl's ppo_mini_batch_size "
@@ -72,11 +73,12 @@ class LearnerConfig(_Section):
         "padding) or padded (one right-padded row per leaf)")
     max_tokens_per_microbatch: int = Field(
         16384, ge=0, description="tree/flat packing: tokens per micro-batch at most (a larger "
-        "group gets one of its own); micro-batches = max(micro_batches, what this needs); 0: "
-        "no limit")
+        "group gets one of its own); micro-batches = max(min_micro_batches, what this needs); "
+        "0: no limit")
     logprob_chunk_tokens: int = Field(
-        512, ge=0, description="log-probs and entropies over the vocabulary this many tokens "
-        "at a time, recomputed in backward (learner and cold-start SFT; 0: all at once)")
+        512, ge=0, description="the learner's log-probs and entropies over the vocabulary this "
+        "many tokens at a time, recomputed in backward (0: all at once; cold-start SFT has "
+        "pipeline.sft_logprob_chunk_tokens)")
     packed_attention: Literal["auto", "dense", "tiles", "flex", "varlen"] = Field(
         "auto", description="tree/flat attention: dense 4D mask (sdpa/eager), tiles (one sdpa "
         "per segment over its ancestors), flex (FlexAttention block mask, GPU), varlen (flat "

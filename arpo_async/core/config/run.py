@@ -15,7 +15,6 @@ from arpo_async.core.config.base import _Section
 class RunConfig(_Section):
     dir: str = Field("runs/default", description="run folder: config.yaml, metrics, checkpoints")
     seed: int = Field(0, description="seed for every generator in the run")
-    quiet: bool = Field(False, description="plain log lines instead of the live progress panel")
     time_limit_s: float = Field(
         0.0, description="stop the RL stage after this many seconds (0: none)")
     time_limit_from: Literal["start", "first_step"] = Field(
@@ -99,11 +98,16 @@ class PipelineConfig(_Section):
     sft_min_lr_frac: float = Field(
         0.1, ge=0, le=1,
         description="the cosine schedule ends at this fraction of the SFT peak rate")
+    sft_logprob_chunk_tokens: int = Field(
+        512, ge=0, description="SFT's log-probs over the vocabulary this many target tokens at "
+        "a time, recomputed in backward (0: all at once; the learner has "
+        "learner.logprob_chunk_tokens)")
     threads: int = Field(2, ge=1, description="CPU threads of the SFT and evaluation stages")
     eval_limit: int = Field(300, ge=0, description="held-out prompts evaluated (0: all)")
     eval_k: int = Field(2, ge=1, description="samples per held-out prompt (pass@1 averages them)")
-    eval_temperature: float = Field(
-        -1.0, description="evaluation temperature (< 0: sampling.temperature)")
+    eval_temperature: float | None = Field(
+        None, ge=0, description="sampling temperature of the evaluation stages (null: "
+        "sampling.temperature)")
     eval_engine: Literal["", "vllm", "transformers"] = Field(
         "", description="engine of the evaluation stages ('': actors.engine); transformers "
         "starts in a second where vLLM takes 15 s, for small held-out splits")
