@@ -18,7 +18,7 @@ import numpy as np
 
 from actors.actor import Actor
 from actors.engines import build_engine
-from actors.rollout import PlainRollout
+from actors.rollout import build_rollout
 from arpo_async.core.config import load_config
 from arpo_async.core.keys import client_keys_for
 from arpo_async.core.protocol import ExitCode
@@ -29,15 +29,6 @@ from toolenv.runner import build_tools
 from toolenv.tasks.prompts import PromptSource
 
 log = logging.getLogger("actor")
-
-
-def build_rollout(cfg, engine, source, tokenizer, tools, rng):
-    """Plain sampling without tools; the tool-interleaved rollout otherwise."""
-    if not cfg.tools.offered and cfg.rollout.mode == "grpo":
-        return PlainRollout(cfg, engine, source, tokenizer, rng)
-    from actors.agent_rollout import AgentRollout  # it imports torch: not for --help
-
-    return AgentRollout(cfg, engine, source, tokenizer, tools, rng)
 
 
 async def run_actor(cfg, actor_id: int) -> None:
@@ -54,9 +45,9 @@ async def run_actor(cfg, actor_id: int) -> None:
     t = cfg.transport
     keys = client_keys_for(cfg)
     sender = TrajectorySender(f"tcp://{t.host}:{t.trajectory_port}", hwm=t.send_hwm,
-                              timeout_s=t.timeout_s, curve=keys)
-    control = ControlClient(f"tcp://{t.host}:{t.control_port}", timeout_s=t.timeout_s, curve=keys,
-                            max_bytes=int(t.max_message_mb * 2**20))
+                              timeout_s=t.send_stall_s, curve=keys)
+    control = ControlClient(f"tcp://{t.host}:{t.control_port}", timeout_s=t.request_timeout_s,
+                            curve=keys, max_bytes=int(t.max_message_mb * 2**20))
     actor = Actor(cfg, actor_id, engine, rollout, source, sender, control,
                   vocab_size=len(tokenizer), tools=tools)
     try:

@@ -52,7 +52,7 @@ async def tool_calls(args, model: str) -> tuple[dict, list]:
     import numpy as np
     from transformers import AutoTokenizer
 
-    from actors.agent_rollout import AgentRollout
+    from actors.rollout import POLICIES, build_rollout
     from actors.engines.vllm_engine import VLLMEngine
     from toolenv.runner import build_tools
     from toolenv.tasks.prompts import PromptSource
@@ -65,8 +65,8 @@ async def tool_calls(args, model: str) -> tuple[dict, list]:
             cfg = _cfg(args, mode, f"{SCRATCH_DIR}/algorithms/{mode}")
             tools = build_tools(cfg.tools, cfg.run.dir)
             source = PromptSource(cfg, tokenizer, stream=0)
-            rollout = AgentRollout(cfg, engine, source, tokenizer, tools,
-                                   np.random.default_rng(1))
+            rollout = build_rollout(cfg, engine, source, tokenizer, tools,
+                                    np.random.default_rng(1), POLICIES[mode])
             t0 = time.perf_counter()
             groups = await asyncio.gather(*[rollout.run(source.next(), 0)
                                             for _ in range(args.prompts)])

@@ -238,7 +238,7 @@ async def actor_window(cfg, engine, tokenizer, tools, warmup_s: float, window_s:
     import numpy as np
 
     from actors.actor import Actor
-    from actors.main import build_rollout
+    from actors.rollout import build_rollout
     from arpo_async.core.transport.control import ControlClient
     from arpo_async.core.transport.trajectory import TrajectorySender
     from toolenv.tasks.prompts import PromptSource

@@ -26,7 +26,7 @@ Hard attribution needs nothing special: the copies of a shared token carry weigh
 except in the owner, and copies of weight 0 are left out.
 
 Behaviour log-probs of a shared token: a fork copies its parent's tokens, log-probs and
-versions (``_Path.fork`` in actors/agent_rollout.py), so they cannot differ. The builder
+versions (``LivePath.fork`` in actors/rollout/path.py), so they cannot differ. The builder
 does not rely on it: a child shares a prefix token only while token id, behaviour
 log-prob (bitwise) and version agree with the parent's; from the first disagreement on,
 the child's tokens are kept apart (their own nodes, same context), and the batch counts

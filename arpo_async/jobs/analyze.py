@@ -142,14 +142,15 @@ async def sample_leaves(cfg: Config, data: Path, limit: int, k: int, corpus: Pat
     records: prompt ids, response ids, loss mask and the tool each round called; with
     ``resample`` R, each decision's and each prompt's window resampled R times by the same
     engine (``analyze_null.resample_windows``), before the engine is closed."""
-    from actors.agent_rollout import AgentRollout  # it imports torch: not for --help
+    from actors.rollout import POLICIES, build_rollout
 
     with contextlib.ExitStack() as stack:
         cfg, tok, source, prompts = analysis_prompts(stack, cfg, data, k, corpus, limit)
         tools = build_tools(cfg.tools, Path(cfg.run.dir) / "analysis")
         engine = await build_engine(cfg, cfg.model.path)
         try:
-            rollout = AgentRollout(cfg, engine, source, tok, tools, np.random.default_rng(0))
+            rollout = build_rollout(cfg, engine, source, tok, tools, np.random.default_rng(0),
+                                    POLICIES[cfg.rollout.mode])
             groups = await asyncio.gather(*(rollout.run(p, 0) for p in prompts))
             out = []
             for p, g in zip(prompts, groups):
@@ -165,7 +166,8 @@ async def sample_leaves(cfg: Config, data: Path, limit: int, k: int, corpus: Pat
             if resample:
                 n = await resample_windows(
                     engine, out, resample, cfg.rollout.entropy_window,
-                    window_request(cfg, rollout.stop_ids, rollout.stop_strings), cfg.run.seed)
+                    window_request(cfg, rollout.stepper.stop_ids, rollout.stepper.stop_strings),
+                    cfg.run.seed)
                 log(f"[analyze] resampled {n} windows for the null test")
         finally:
             await engine.close()

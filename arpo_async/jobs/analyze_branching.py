@@ -6,7 +6,7 @@ continuation ends differently?
 prompts the real rollout (the run's engine, tools, estimator, window, alpha and beta; a
 local retriever over the suite's corpus) samples K global samples (``--k``, GRPO). At
 every branch decision of the first ``--roots`` of them, i.e. every round that follows a
-tool result, the rollout's own fork mechanics (``_Path.fork``: the tokens up to and
+tool result, the rollout's own fork mechanics (``LivePath.fork``: the tokens up to and
 including the result, a copy of the tool state) start K continuations that run to the end
 with the real tools and are scored by the task's reward. Per state: dH and
 P = clip(alpha + beta * dH, 0, 1) exactly as the rollout computed them for the sampled
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from actors.branching import BranchPlanner
+from actors.rollout import GRPOPolicy, Spawn
 from arpo_async.core.config import Config, ConfigError
 from arpo_async.core.files import atomic_write_json
 from arpo_async.jobs.premise_stats import correlation_by, discordance, pearson, premise_figures
@@ -64,77 +64,53 @@ def result_kind(tool: str | None, args: str, ok: bool | None, text: str) -> str:
     return "ok"
 
 
-class ProbePlanner(BranchPlanner):
-    """GRPO sampling of the roots (settings with ``branching=False``), plus ``forks``
-    forks at every decision of the first ``probed`` roots, whatever P says; the decision
-    metrics (P, dH as the rollout computed them) are kept in ``decisions``."""
+class ProbePolicy(GRPOPolicy):
+    """GRPO sampling of the roots, plus ``forks`` forks at every decision of the first
+    ``probed`` roots, whatever P says; the decision metrics (P, dH as the rollout computed
+    them) are kept in ``probed_decisions``, each tool result in ``tool_log`` by
+    (trajectory, length after the result)."""
 
-    def __init__(self, settings, rng: np.random.Generator, forks: int, probed: int):
-        if settings.branching:
-            raise ValueError("ProbePlanner needs GRPO settings: it places the forks itself")
-        super().__init__(settings, rng)
+    def __init__(self, cfg, rng: np.random.Generator, forks: int, probed: int):
+        super().__init__(cfg, rng)
+        if self.settings.branching:
+            raise ValueError("ProbePolicy needs rollout.mode=grpo: it places the forks itself")
         self.forks, self.probed = forks, probed
-        self.decisions: list[dict] = []
+        self.probed_decisions: list[dict] = []
+        self.tool_log: dict[tuple[int, int], tuple] = {}
 
-    def fill_count(self) -> int:
-        return 0  # the roots are all the global samples; forks never count against them
+    def tool_round(self, tid: int, at: int, h: float, short: bool) -> Spawn:
+        forks, metrics = self.planner.after_tool_round(tid, h, short)
+        if self.parent_of(tid) != -1 or tid >= self.probed:
+            return Spawn(forks=forks)
+        s = self.settings
+        inherited = self.planner.h_init_of(tid) if s.fork_h_init == "parent" else None
+        ids = [self.planner._create(tid, inherited, 0) for _ in range(self.forks)]
+        self.probed_decisions.append({"root": tid, **metrics, "forks": ids})
+        return Spawn(forks=ids)
 
-    def after_tool_round(self, traj_id: int, h_t: float, short: bool = False
-                         ) -> tuple[list[int], dict[str, float]]:
-        forks, metrics = super().after_tool_round(traj_id, h_t, short)
-        if self.parent_of(traj_id) != -1 or traj_id >= self.probed:
-            return forks, metrics
-        inherited = self.h_init_of(traj_id) if self.settings.fork_h_init == "parent" else None
-        ids = [self._create(traj_id, inherited, 0) for _ in range(self.forks)]
-        self.decisions.append({"root": traj_id, **metrics, "forks": ids})
-        return ids, metrics
+    def finished(self, tid: int) -> list[int]:
+        self.planner.finish(tid)
+        return []  # the roots are all the global samples; forks never count against them
 
-
-class _Recorder:
-    """The tool runner, keeping each task's last result (the rollout does not return it)."""
-
-    def __init__(self, tools):
-        self.inner, self.last = tools, {}
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    async def call(self, name, args, **kwargs):
-        result = await self.inner.call(name, args, **kwargs)
-        self.last[asyncio.current_task()] = result
-        return result
-
-    def reject(self, name, message):
-        result = self.inner.reject(name, message)
-        self.last[asyncio.current_task()] = result
-        return result
+    def observe_tool(self, tid: int, at: int, call, result) -> None:
+        self.tool_log[(tid, at)] = (call.name, call.args, result_kind(
+            call.name, call.args, result.ok, result.text))
 
 
-def probe_rollout(cfg: Config, engine, source, tokenizer, tools, rng, forks: int, probed: int):
-    """An ``AgentRollout`` that runs one prompt with a ``ProbePlanner`` (``probe``) and
-    logs each tool call's result by (trajectory, length after the result)."""
-    from actors.agent_rollout import AgentRollout, _GroupState, _Path  # torch: not for --help
+async def probe(cfg: Config, engine, source, tokenizer, tools, rng, prompt, forks: int,
+                probed: int) -> tuple[list, list[dict], dict]:
+    """One prompt through the real rollout under a ``ProbePolicy``: (leaves by trajectory
+    id, the probed decisions, the tool log)."""
+    from actors.rollout import build_rollout
 
-    class ProbeRollout(AgentRollout):
-        async def _tool(self, path, call) -> None:
-            await super()._tool(path, call)
-            res = self.tools.last.pop(asyncio.current_task(), None)
-            self.tool_log[(path.tid, len(path.tokens))] = (
-                call.name, call.args, result_kind(call.name, call.args, res and res.ok,
-                                                  res.text if res else ""))
+    policies = []
 
-        async def probe(self, prompt) -> tuple[list, list[dict]]:
-            """(leaves by trajectory id, the probed decisions)."""
-            self.tool_log = {}
-            planner = ProbePlanner(self.settings, self.rng, forks, probed)
-            group = _GroupState(planner, self.occupancy)
-            for tid in planner.start():
-                group.spawn(self._drive(prompt, _Path(tid), group))
-            await group.wait()
-            return ([self._leaf(prompt, group.paths[t], planner.parent_of(t))
-                     for t in sorted(group.paths)], planner.decisions)
+    def policy(rollout_cfg, rng):
+        policies.append(ProbePolicy(rollout_cfg, rng, forks, probed))
+        return policies[-1]
 
-    return ProbeRollout(cfg, engine, source, tokenizer, _Recorder(tools), rng)
+    group = await build_rollout(cfg, engine, source, tokenizer, tools, rng, policy).run(prompt, 0)
+    return group.leaves, policies[0].probed_decisions, policies[0].tool_log
 
 
 def prompt_record(index: int, prompt_id, leaves: list, decisions: list[dict],
@@ -172,10 +148,10 @@ async def probe_prompts(cfg: Config, engine, source, tokenizer, tools, prompts: 
 
     async def one(i: int, prompt) -> None:
         async with slots:
-            rollout = probe_rollout(cfg, engine, source, tokenizer, tools,
-                                    np.random.default_rng([seed, i]), k, roots)
-            leaves, decisions = await rollout.probe(prompt)
-        out[i] = prompt_record(i, prompt.id, leaves, decisions, rollout.tool_log)
+            leaves, decisions, tool_log = await probe(
+                cfg, engine, source, tokenizer, tools, np.random.default_rng([seed, i]),
+                prompt, k, roots)
+        out[i] = prompt_record(i, prompt.id, leaves, decisions, tool_log)
         if resume:
             with resume.open("a") as fh:
                 fh.write(json.dumps(out[i]) + "\n")

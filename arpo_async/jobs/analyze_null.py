@@ -69,7 +69,7 @@ def window_request(cfg, stop_ids: list[int], stop_strings: list[str]
                    ) -> Callable[[list[int], int, int], GenRequest | None]:
     """Requests for a k-token window at a prefix (``used`` response tokens before it) as
     the rollout samples the round there: its stops, temperature, top-p and round limit
-    (``AgentRollout._round``: the response budget left, or max_new_tokens, and what
+    (``PathStepper.round``: the response budget left, at most round_max_tokens, and what
     ``model.max_model_len`` leaves), so a round the budget cut is resampled cut the same;
     None when nothing fits. No log-probs: ``analyze`` scores every window itself."""
     s, k = cfg.sampling, cfg.rollout.entropy_window

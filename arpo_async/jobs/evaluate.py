@@ -1,9 +1,9 @@
 """Evaluate a model on tool-use prompts through the real rollout: the training code path.
 
-Every question runs through ``actors.agent_rollout.AgentRollout`` in GRPO mode with
-``group_size = K`` (K independent samples, tools executed through the ``ToolRunner``,
-scored by ``PromptSource.score``), on the vLLM or transformers engine, or on a model
-served behind an OpenAI-compatible endpoint (``actors.engines.endpoint_engine``).
+Every question runs through the tool-interleaved rollout (``actors/rollout``) under the
+GRPO policy with ``group_size = K`` (K independent samples, tools executed through the
+``ToolRunner``, scored by ``PromptSource.score``), on the vLLM or transformers engine, or
+on a model served behind an OpenAI-compatible endpoint (``actors.engines.endpoint_engine``).
 
 Reported: pass@1 (mean correctness over all samples), pass@k (mean over questions of the
 best sample's correctness: the usual "any sample right" for 0/1 scores), the share of
@@ -223,7 +223,7 @@ async def evaluate_async(cfg: Config, data: str | Path, k: int = 4, limit: int |
     ``out_dir``/summary.json with items.jsonl when ``out_dir`` is given)."""
     from transformers import AutoTokenizer  # transformers: heavy, not for --help
 
-    from actors.agent_rollout import AgentRollout  # it imports torch: not for --help
+    from actors.rollout import GRPOPolicy, build_rollout
 
     t_start = time.perf_counter()
     log = log or functools.partial(print, flush=True)
@@ -244,8 +244,8 @@ async def evaluate_async(cfg: Config, data: str | Path, k: int = 4, limit: int |
         eng = await _make_engine(cfg, model_path, tokenizer, endpoint)
         engine_s = time.perf_counter() - t0
         try:
-            rollout = AgentRollout(cfg, eng, source, tokenizer, tools,
-                                   np.random.default_rng([cfg.run.seed, 0xE7A1]))
+            rollout = build_rollout(cfg, eng, source, tokenizer, tools,
+                                    np.random.default_rng([cfg.run.seed, 0xE7A1]), GRPOPolicy)
             t1 = time.perf_counter()
             items, tokens = await _run_items(rollout, source, prompts, _row_kinds(data),
                                              tokenizer, concurrency, log)

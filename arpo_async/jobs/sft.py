@@ -4,7 +4,7 @@ Each trace is tokenised the way the actor will see it: the chat-templated prompt
 generation prompt), then every response segment encoded on its own and concatenated -- a
 model segment is what the model samples in its rounds; a tool segment is
 ``syntax.result_ids(output)`` (``format_result`` of the output with the tokenizer's control
-tokens defused: toolenv.tags.defuse), exactly what ``AgentRollout`` appends after a round
+tokens defused: toolenv.tags.defuse), exactly what ``PathStepper.tool`` appends after a round
 that ended at a closing tool tag -- and the EOS
 token after ``</answer>``. The loss covers model tokens and that EOS only: prompt and
 tool-result tokens are inputs, never targets. With ``tools.syntax=hermes`` (``run_sft(...,

@@ -87,7 +87,7 @@ class _Run:
         from transformers import AutoTokenizer
 
         from actors.actor import Actor
-        from actors.main import build_rollout
+        from actors.rollout import build_rollout
         from arpo_async.core.transport.control import ControlClient
         from arpo_async.core.transport.trajectory import TrajectorySender
         from bench.common import Sink

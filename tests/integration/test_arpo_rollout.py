@@ -33,14 +33,15 @@ def _cfg(mode: str, run_dir, **rollout) -> object:
 
 
 async def _groups(mode, model, engine, tokenizer, tmp_path, prompts=PROMPTS, **rollout):
-    from actors.agent_rollout import AgentRollout
+    from actors.rollout import POLICIES, build_rollout
     from toolenv.runner import build_tools
     from toolenv.tasks.prompts import PromptSource
 
     cfg = _cfg(mode, tmp_path / f"{mode}{len(rollout)}", **rollout)
     tools = build_tools(cfg.tools, cfg.run.dir)
     source = PromptSource(cfg, tokenizer, stream=0)
-    rollout = AgentRollout(cfg, engine, source, tokenizer, tools, np.random.default_rng(7))
+    rollout = build_rollout(cfg, engine, source, tokenizer, tools, np.random.default_rng(7),
+                            POLICIES[cfg.rollout.mode])
     try:
         items = [source.next() for _ in range(prompts)]  # the same prompts for every mode
         return [await rollout.run(p, actor_id=0) for p in items]

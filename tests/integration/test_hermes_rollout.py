@@ -60,7 +60,7 @@ def _cfg(syntax: str, run_dir) -> object:
 
 
 async def _rollout(syntax, engine, tok, tmp_path):
-    from actors.agent_rollout import AgentRollout
+    from actors.rollout import POLICIES, build_rollout
     from toolenv.runner import build_tools
     from toolenv.tasks.prompts import PromptSource
 
@@ -77,7 +77,8 @@ async def _rollout(syntax, engine, tok, tmp_path):
     forced = TeacherForced(engine, len(prompt.tokens), replies)
     tools = build_tools(cfg.tools, cfg.run.dir)
     try:
-        rollout = AgentRollout(cfg, forced, source, tok, tools, np.random.default_rng(1))
+        rollout = build_rollout(cfg, forced, source, tok, tools, np.random.default_rng(1),
+                                POLICIES[cfg.rollout.mode])
         group = await rollout.run(prompt, actor_id=0)
     finally:
         await tools.close()
@@ -187,7 +188,7 @@ async def test_mcp_tool_and_python_session_through_vllm(tiny_model_dir, tmp_path
 
     from transformers import AutoTokenizer
 
-    from actors.agent_rollout import AgentRollout
+    from actors.rollout import POLICIES, build_rollout
     from toolenv.runner import build_tools
     from toolenv.tasks.prompts import PromptSource
 
@@ -218,7 +219,8 @@ async def test_mcp_tool_and_python_session_through_vllm(tiny_model_dir, tmp_path
                    result("42"): "<python>print(x + 1)</python>",
                    result("43"): r"<answer>\boxed{43}</answer>"},
             stop=syn.stop_strings)
-        rollout = AgentRollout(cfg, engine, source, tok, tools, np.random.default_rng(1))
+        rollout = build_rollout(cfg, engine, source, tok, tools, np.random.default_rng(1),
+                                POLICIES[cfg.rollout.mode])
         group = await rollout.run(prompt, actor_id=0)
         stats = tools.stats()
     finally:

@@ -137,7 +137,7 @@ def test_round_entropy_is_normalised_as_the_reference_does(chain):
     """ARPO's reference: ``vocab_size = len(self.tokenizer.get_vocab())``,
     ``entropy_norm_factor = math.log(vocab_size)``: 151,669 for Qwen3's tokenizer, the
     rows of the output layer (151,936) include Qwen's padding."""
-    from actors.agent_rollout import AgentRollout
+    from actors.rollout import POLICIES, build_rollout
     from toolenv.tasks.prompts import PromptSource
 
     ckpt, suite, _ = chain
@@ -145,7 +145,7 @@ def test_round_entropy_is_normalised_as_the_reference_does(chain):
     cfg = config_from_dict({"model": {"path": str(ckpt), "max_model_len": 1024,
                                       "chat_template_kwargs": OFF}, "tools": HERMES,
                             "task": {"name": "file", "data": str(suite / "rl.jsonl")}})
-    rollout = AgentRollout(cfg, None, PromptSource(cfg, tok), tok, None,
-                           np.random.default_rng(0))
-    assert rollout.vocab == len(tok.get_vocab()) == 151669
+    rollout = build_rollout(cfg, None, PromptSource(cfg, tok), tok, None,
+                           np.random.default_rng(0), POLICIES[cfg.rollout.mode])
+    assert rollout.stepper.vocab == len(tok.get_vocab()) == 151669
     assert json.loads((ckpt / "config.json").read_text())["vocab_size"] == 151936

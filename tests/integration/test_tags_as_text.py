@@ -55,7 +55,7 @@ def _law(tok) -> Law:
 async def test_a_tool_call_ending_inside_a_merged_token(tags_as_text_model_dir, tmp_path):
     from transformers import AutoTokenizer
 
-    from actors.agent_rollout import AgentRollout
+    from actors.rollout import POLICIES, build_rollout
     from actors.engines.vllm_engine import VLLMEngine
     from learner.batching import collate, samples_from_groups
     from learner.strategies import padded_forward
@@ -78,7 +78,8 @@ async def test_a_tool_call_ending_inside_a_merged_token(tags_as_text_model_dir, 
     engine = await VLLMEngine.create(str(tmp_path / "scripted"), max_model_len=512,
                                      kv_cache_gib=0.25, seed=0)
     try:
-        rollout = AgentRollout(cfg, engine, source, tok, tools, np.random.default_rng(3))
+        rollout = build_rollout(cfg, engine, source, tok, tools, np.random.default_rng(3),
+                                POLICIES[cfg.rollout.mode])
         group = await rollout.run(prompt, actor_id=0)
         # what vLLM itself does (the engine returns only ids): text cut at the stop
         # string, the token that completed it kept whole

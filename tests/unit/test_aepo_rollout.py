@@ -1,4 +1,4 @@
-"""AEPO's dynamic budget split through the real rollout (actors/agent_rollout.py) with a
+"""AEPO's dynamic budget split through the real rollout (actors/rollout/) with a
 scripted engine and a fake tool: the probe only measures, then exactly m global samples
 exist (the probe included) and the other M - m leaves come from branching, refilled with
 global samples only where branching left budget unused."""
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from actors.agent_rollout import AgentRollout
+from actors.rollout import POLICIES, build_rollout
 from actors.branching import aepo_global_samples
 from actors.engines.base import GenResult
 from arpo_async.core.config import config_from_dict
@@ -66,7 +66,8 @@ async def _group(tiny_model_dir, **rollout):
     cfg = _cfg(**rollout)
     engine, tools = ScriptedEngine(tok), FakeTools()
     source = PromptSource(cfg, tok)
-    rollout = AgentRollout(cfg, engine, source, tok, tools, np.random.default_rng(0))
+    rollout = build_rollout(cfg, engine, source, tok, tools, np.random.default_rng(0),
+                            POLICIES[cfg.rollout.mode])
     return await rollout.run(source.next(), actor_id=0), tok, tools
 
 

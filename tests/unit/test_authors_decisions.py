@@ -87,7 +87,7 @@ def authors_loop(scripts, n, initial, alpha, beta, rng, aepo_penalty=None) -> tu
 
 def planner_loop(scripts, settings: BranchSettings, rng) -> tuple[list, list, BranchPlanner]:
     """The same lockstep rounds driving the planner at the authors' timing: a round's own
-    entropy decides on a fork after its tool result (actors/agent_rollout.py decides on
+    entropy decides on a fork after its tool result (actors/rollout/ decides on
     the round after the result instead: test_the_rollout_decides_one_round_earlier)."""
     pl = BranchPlanner(settings, rng)
     active, step, log = pl.start(), {}, []
@@ -221,11 +221,11 @@ def _round_h(tok, r: int) -> float:
 async def test_the_rollout_decides_one_round_earlier(tiny_model_dir, monkeypatch):
     """Timing, a kept difference: theirs reads the round that made call j and forks after
     result j (A:470-479), so a lineage's first decision has dH = 0 and the entropy after
-    result j decides at result j + 1; actors/agent_rollout.py reads the round after
+    result j decides at result j + 1; actors/rollout/ reads the round after
     result j and forks at result j (the fork resamples the round that was read)."""
     from transformers import AutoTokenizer
 
-    from actors.agent_rollout import AgentRollout
+    from actors.rollout import POLICIES, build_rollout
     from arpo_async.core.config import config_from_dict
     from toolenv.tasks.prompts import PromptSource
 
@@ -240,7 +240,8 @@ async def test_the_rollout_decides_one_round_earlier(tiny_model_dir, monkeypatch
         "sampling": {"max_response_tokens": 200},
         "tools": {"enabled": ["python"]}, "task": {"name": "arith"}})
     source = PromptSource(cfg, tok)
-    rollout = AgentRollout(cfg, _Engine(tok), source, tok, _Tools(), np.random.default_rng(0))
+    rollout = build_rollout(cfg, _Engine(tok), source, tok, _Tools(), np.random.default_rng(0),
+                            POLICIES[cfg.rollout.mode])
     await rollout.run(source.next(), actor_id=0)
     h = [_round_h(tok, r) for r in range(3)]
     assert len(set(h)) == 3

@@ -1,6 +1,6 @@
 """No length ends an actor: a trajectory whose context fills ``model.max_model_len``
 ends as ``length`` and is counted (``rollout/context_full``), and the group goes on, through
-the real rollout (actors/agent_rollout.py) with a scripted engine that refuses what vLLM
+the real rollout (actors/rollout/) with a scripted engine that refuses what vLLM
 refuses (a context with no room for one token) and a fake tool with long results."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 from transformers import AutoTokenizer
 
-from actors.agent_rollout import AgentRollout
+from actors.rollout import POLICIES, build_rollout
 from actors.engines.base import ContextOverflow, GenResult
 from arpo_async.core.config import config_from_dict
 from toolenv.base import ToolResult
@@ -77,7 +77,8 @@ async def test_a_prompt_that_fits_overflows_after_two_tool_results(tiny_model_di
     limit = len(probe.tokens) + 2 * (call + result) + call // 2
     cfg, source, prompt, engine, tools = _setup(tok, limit)
     assert len(prompt.tokens) + cfg.sampling.max_response_tokens > limit  # fits only at start
-    rollout = AgentRollout(cfg, engine, source, tok, tools, np.random.default_rng(0))
+    rollout = build_rollout(cfg, engine, source, tok, tools, np.random.default_rng(0),
+                            POLICIES[cfg.rollout.mode])
     group = await rollout.run(prompt, actor_id=0)
     assert len(group.leaves) == M  # the group went on to its full budget
     for leaf in group.leaves:
@@ -91,7 +92,8 @@ async def test_a_prompt_that_fits_overflows_after_two_tool_results(tiny_model_di
 async def test_an_engine_refusal_ends_the_trajectory_as_length(tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     cfg, source, prompt, engine, tools = _setup(tok, 1024, always_refuse=True)
-    rollout = AgentRollout(cfg, engine, source, tok, tools, np.random.default_rng(0))
+    rollout = build_rollout(cfg, engine, source, tok, tools, np.random.default_rng(0),
+                            POLICIES[cfg.rollout.mode])
     group = await rollout.run(prompt, actor_id=0)
     assert len(group.leaves) == M and tools.calls == 0
     assert all(leaf.finish_reason == "length" and len(leaf.tokens) == 0

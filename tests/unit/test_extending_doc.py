@@ -1,5 +1,7 @@
-"""docs/extending.md stays true: every repository path it names exists, and its loss
-example, run as written, is a loss type the driver takes and is exact on trees."""
+"""docs/extending.md stays true: every repository path it names exists; its loss
+example, run as written, is a loss type the driver takes and is exact on trees; its
+rollout policy example, run as written through the real rollout, builds the tree it
+describes."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from learner.batching import samples_from_groups
 from learner.packing import build_units
 from tests.unit.test_loss_types import TableLM, _z, assert_exact, packed, padded
 from tests.unit.test_packing_exact import groups
+from tests.unit.test_rollout_policy import scripted_run
 
 EXAMPLES = settings(max_examples=10, deadline=None, derandomize=True,
                     phases=(Phase.explicit, Phase.reuse, Phase.generate))
@@ -34,7 +37,8 @@ def _blocks() -> list[str]:
 def test_every_path_the_page_names_exists():
     named = {m.group(1) for m in PATH.finditer(DOC.read_text())}
     assert len(named) >= 20, named
-    new = {"learner/losses/<name>.py", "learner/losses/reinforce.py"}  # what you write
+    new = {"learner/losses/<name>.py", "learner/losses/reinforce.py",  # what you write
+           "actors/rollout/<name>.py"}
     missing = sorted(p for p in named - new if not (REPO / p).exists())
     assert not missing, missing
 
@@ -42,7 +46,7 @@ def test_every_path_the_page_names_exists():
 @pytest.fixture
 def reinforce(monkeypatch):
     """The page's example, registered as the page says."""
-    objective, settings = (b for b in _blocks() if "class " in b or "LossType(" in b)
+    objective, settings = (b for b in _blocks() if "_LossBase" in b or "LossType(" in b)
     module: dict = {}
     exec(compile(objective, "docs/extending.md (objective)", "exec"), module)
     cfg: dict = {"_LossBase": config_losses._LossBase, "Field": Field, "Literal": Literal}
@@ -67,3 +71,21 @@ def test_the_loss_example_is_a_loss_type_exact_on_trees(reinforce):
                      packed(table, build_units(samples, "tree"), s, True, z))
 
     exact()
+
+
+def test_the_rollout_policy_example_builds_its_tree(tiny_model_dir):
+    (block,) = (b for b in _blocks() if "GroupPolicy" in b)
+    module: dict = {}
+    exec(compile(block, "docs/extending.md (policy)", "exec"), module)
+    group, _ = scripted_run(tiny_model_dir, module["EveryToolRound"], group_size=5, calls=3)
+    leaves = group.leaves
+    assert len(leaves) == 5
+    # one root; every fork starts at the end of a tool result of its parent and shares
+    # its parent's tokens up to there
+    assert [leaf.parent for leaf in leaves].count(-1) == 1
+    for leaf in leaves[1:]:
+        parent = leaves[leaf.parent]
+        n = leaf.branch_point
+        assert n > 0 and list(leaf.tokens[:n]) == list(parent.tokens[:n])
+        assert parent.loss_mask[n - 1] == 0  # the last shared token is the tool result's
+    assert group.stats["rollout/context_full"] == 0

@@ -198,13 +198,13 @@ class _Tools:
 
 @pytest.mark.parametrize("syntax", ["arpo", "hermes"])
 async def test_rollout_leaves_score_alike_in_both_syntaxes(tiny_model_dir, syntax):
-    """The real rollout (actors/agent_rollout.py) with each syntax: the calls are found,
+    """The real rollout (actors/rollout/) with each syntax: the calls are found,
     the results inserted in the syntax's format, and the leaves scored 1.1 (right, both
     tools) by the same reward."""
     import numpy as np
     from transformers import AutoTokenizer
 
-    from actors.agent_rollout import AgentRollout
+    from actors.rollout import POLICIES, build_rollout
     from arpo_async.core.config import config_from_dict
     from toolenv.tasks.prompts import Prompt, PromptSource
 
@@ -216,7 +216,8 @@ async def test_rollout_leaves_score_alike_in_both_syntaxes(tiny_model_dir, synta
         "tools": {"enabled": ["python", "search"], "syntax": syntax}})
     source = PromptSource(cfg, tok)
     engine = _ScriptedEngine(source.syntax)
-    rollout = AgentRollout(cfg, engine, source, tok, _Tools(), np.random.default_rng(0))
+    rollout = build_rollout(cfg, engine, source, tok, _Tools(), np.random.default_rng(0),
+                            POLICIES[cfg.rollout.mode])
     prompt = source.encode(Prompt("m:0", MATH.question, ["0.5"], "math", system_prompt="S"))
     group = await rollout.run(prompt, actor_id=0)
     for leaf in group.leaves:

@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from actors.agent_rollout import AgentRollout, after_overhang, split_at_stop
+from actors.rollout import POLICIES, build_rollout
+from actors.rollout.path import after_overhang, split_at_stop
 from actors.engines.base import GenResult
 from arpo_async.core.config import config_from_dict
 from arpo_async.jobs.sft import encode_trace
@@ -108,7 +109,8 @@ async def test_a_call_ending_inside_a_token_runs_once_and_its_result_follows(tok
         "tools": {"enabled": ["python"]}, "task": {"name": "arith"}})
     engine, tools = ScriptedEngine(tok, tail), FakeTools()
     source = PromptSource(cfg, tok)
-    rollout = AgentRollout(cfg, engine, source, tok, tools, np.random.default_rng(0))
+    rollout = build_rollout(cfg, engine, source, tok, tools, np.random.default_rng(0),
+                            POLICIES[cfg.rollout.mode])
     round_ids = tok.encode(CALL + tail, add_special_tokens=False)
     if tail:  # the stop string really ends inside the round's last token
         assert tok.decode(round_ids[-1:]) == ">" + tail

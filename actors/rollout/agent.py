@@ -1,0 +1,162 @@
+"""Tool-interleaved rollout of one prompt group: the group policy (GRPO, ARPO, AEPO, or
+one of your own: ``policy.py``) says which trajectories start and where they fork; the
+path stepper (``path.py``) runs each one's rounds and tool calls.
+
+Every trajectory of the group runs as its own asyncio task, so one slow tool call never
+stalls the others, and all rounds of all groups share the engine's batch. The round that
+follows a tool result goes to the policy with its window entropy; a fork copies every
+token up to and including the tool result (so the call is not run again) and resamples
+the round from there.
+
+Stateful tools (``tools.python_state=session``): each root trajectory opens its
+``ToolState`` (``ToolRunner.open_state``) when it starts; a fork's child gets a copy of its
+parent's state at the branch point (``ToolState.fork``, awaited before the parent runs its
+next call, so the copy holds what the shared tool results produced and nothing later); a
+trajectory's state is closed when it ends (``finished``) or is cancelled or fails
+(``dropped``). With stateless tools ``open_state`` gives None and nothing of this runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+
+from actors.engines.base import GenerationEngine
+from actors.rollout.base import Occupancy, new_group_id
+from actors.rollout.path import LivePath, PathStepper
+from actors.rollout.policy import GroupPolicy
+from arpo_async.core.protocol import Trajectory, TrajectoryGroup
+from toolenv.syntax import build_syntax
+from toolenv.tasks.prompts import Prompt, PromptSource
+
+
+class AgentRollout:
+    def __init__(self, cfg, engine: GenerationEngine, source: PromptSource, tokenizer,
+                 tools, rng: np.random.Generator, policy: type[GroupPolicy]):
+        self.cfg, self.source, self.tokenizer, self.rng = cfg, source, tokenizer, rng
+        self.policy = policy
+        self.occupancy = Occupancy()
+        # tools.syntax: where rounds stop, how calls are read and results inserted
+        self.syntax = getattr(source, "syntax", None) or build_syntax(
+            cfg.tools, tokenizer, cfg.model.chat_template_kwargs)
+        self.stepper = PathStepper(cfg, engine, tokenizer, tools, self.syntax, rng,
+                                   self.occupancy)
+
+    @property
+    def context_full(self) -> int:
+        """Trajectories ended by model.max_model_len (all groups)."""
+        return self.stepper.context_full
+
+    async def run(self, prompt: Prompt, actor_id: int) -> TrajectoryGroup:
+        group = _Group(self.policy(self.cfg.rollout, self.rng), self.occupancy)
+        for tid in group.policy.start():
+            self._start(prompt, group, group.root(tid))
+        await group.wait()
+        leaves = [self._leaf(prompt, group.paths[tid], group.policy.parent_of(tid))
+                  for tid in sorted(group.paths)]
+        return TrajectoryGroup(
+            group_id=new_group_id(actor_id), actor_id=actor_id, prompt_id=prompt.id,
+            prompt_tokens=np.asarray(prompt.tokens, np.int32), leaves=leaves,
+            mode=self.cfg.rollout.mode, tool_calls_executed=group.executed,
+            decisions=group.policy.decisions,
+            stats={**{f"branch/{k}": v for k, v in group.policy.stats().items()},
+                   "rollout/context_full": float(sum(p.context_full
+                                                     for p in group.paths.values()))})
+
+    def _start(self, prompt: Prompt, group: _Group, path: LivePath) -> None:
+        group.spawn(self._drive(prompt, path, group), path.state)
+
+    async def _drive(self, prompt: Prompt, path: LivePath, group: _Group) -> None:
+        open_state = getattr(self.stepper.tools, "open_state", None)
+        if path.state is None and open_state is not None:
+            path.state = open_state()
+        reason = "dropped"
+        try:
+            await self._steps(prompt, path, group)
+            reason = "finished"
+        finally:
+            if path.state is not None:
+                path.state.close(reason)
+        group.paths[path.tid] = path
+        for tid in group.policy.finished(path.tid):
+            self._start(prompt, group, group.root(tid))
+
+    async def _steps(self, prompt: Prompt, path: LivePath, group: _Group) -> None:
+        """Rounds and tool calls until the path finishes (its finish_reason set)."""
+        policy, step = group.policy, self.stepper
+        while True:
+            first = path.needs_h_init
+            rnd = await step.round(prompt, path, read=path.decide or first)
+            if first:
+                path.needs_h_init = False
+                policy.first_round(path.tid, rnd.entropy, rnd.short)
+            if path.decide:
+                path.decide = False
+                spawn = policy.tool_round(path.tid, path.snapshot, rnd.entropy, rnd.short)
+                for tid in spawn.forks:
+                    child = path.fork(tid, policy.reads_first_round(tid))
+                    if path.state is not None:
+                        child.state = await path.state.fork()
+                    self._start(prompt, group, child)
+                for tid in spawn.roots:
+                    self._start(prompt, group, group.root(tid))
+            call = self.syntax.find_call(rnd.text) if rnd.finish_reason == "stop" else None
+            room = self.cfg.sampling.max_response_tokens - len(path.tokens)
+            if call is None or path.tool_calls >= self.cfg.rollout.tool_call_limit or room <= 0:
+                path.finish_reason = "tool_limit" if call is not None else rnd.finish_reason
+                break
+            result = await step.tool(path, call)
+            group.executed += 1
+            policy.observe_tool(path.tid, len(path.tokens), call, result)
+            if len(path.tokens) >= self.cfg.sampling.max_response_tokens:
+                # The result used up the budget: another round would ask for <= 0 tokens.
+                path.finish_reason = "length"
+                break
+            path.snapshot = len(path.tokens)
+            path.decide = True
+
+    def _leaf(self, prompt: Prompt, path: LivePath, parent: int) -> Trajectory:
+        text = self.tokenizer.decode(path.tokens, skip_special_tokens=False)
+        reward, score = self.source.score(text, prompt)
+        return Trajectory(
+            tokens=np.asarray(path.tokens, np.int32), loss_mask=np.asarray(path.mask, np.uint8),
+            logprobs=np.asarray(path.logprobs, np.float32),
+            versions=np.asarray(path.versions, np.int32), reward=reward, score=score,
+            parent=parent, branch_point=path.branch_point, tool_calls=path.tool_calls,
+            finish_reason=path.finish_reason)
+
+
+class _Group:
+    """Tasks and finished paths of one group; all mutation happens on one event loop."""
+
+    def __init__(self, policy: GroupPolicy, occupancy: Occupancy):
+        self.policy = policy
+        self.occupancy = occupancy
+        self.paths: dict[int, LivePath] = {}
+        self.tasks: set[asyncio.Task] = set()
+        self.executed = 0
+
+    def root(self, tid: int) -> LivePath:
+        """A fresh global sample; its first round's entropy is read if the policy asks."""
+        return LivePath(tid, needs_h_init=self.policy.reads_first_round(tid))
+
+    def spawn(self, coro, state: Any = None) -> None:
+        """Start a path; it counts as generating from now (``Occupancy``). A fork's
+        ``state`` is closed here if its task is cancelled before it ever ran."""
+        task = asyncio.ensure_future(coro)
+        if state is not None:
+            task.add_done_callback(lambda t: state.close("dropped") if t.cancelled() else None)
+        self.tasks.add(self.occupancy.track(task))
+
+    async def wait(self) -> None:
+        try:
+            while self.tasks:
+                done, _ = await asyncio.wait(self.tasks, return_when=asyncio.FIRST_COMPLETED)
+                self.tasks -= done
+                for task in done:
+                    task.result()  # re-raise a failed path
+        finally:  # a failed or cancelled group leaves no orphan paths behind
+            for task in self.tasks:
+                task.cancel()
