@@ -133,15 +133,3 @@ def export_hf(dest: Path, tensors: dict, model_path: str | Path) -> None:
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     safetensors.torch.save_file(tensors, str(dest / "model.safetensors"),
                                 metadata={"format": "pt"})
-
-
-def tensors_from_numpy(state: dict, bf16: bool) -> dict:
-    """numpy arrays from ``PolicyTrainer.full_state`` -> torch tensors (bfloat16 arrays
-    travel as their uint16 bits)."""
-    import torch
-
-    out = {}
-    for name, arr in state.items():
-        t = torch.from_numpy(arr)
-        out[name] = t.view(torch.bfloat16) if bf16 else t
-    return out

@@ -198,8 +198,7 @@ class LearnerLoop:
         t0 = time.perf_counter()
         state = self.trainer.full_state()
         if self.service is not None:
-            bf16 = list(state) if self.cfg.model.dtype == "bfloat16" else []
-            self.service.publish(version, state, bf16_names=bf16)
+            self.service.publish(version, state)
         if self.cfg.run.probe_logprobs:
             lp = self.trainer.sequence_logprobs(*self.probe)
             if self.rank == 0:

@@ -154,7 +154,7 @@ class LearnerService:
         for sender in self.weights:  # outside the lock: no weight reply waits for the ledger
             if isinstance(msg, sender.requests):
                 return sender.handle(msg)
-        if isinstance(msg, (P.NcclJoinRequest, P.NcclWeightsRequest)):
+        if getattr(msg, "CHANNEL", ""):  # a request of a weight channel this run has not
             return P.Ack(ok=False, reason=P.AckReason.NO_FAST_WEIGHTS)
         with self.lock:
             if isinstance(msg, P.TicketRequest):
@@ -283,11 +283,11 @@ class LearnerService:
             self.ledger.mark_trained(g.actor_id for g in groups)
             self.version += 1
 
-    def publish(self, version: int, tensors, bf16_names=()) -> None:
+    def publish(self, version: int, tensors) -> None:
         """Every channel serves ``version`` from now on; the trainer hands over fresh
         copies, which the channels keep as they are."""
         for sender in self.weights:
-            sender.publish(version, tensors, bf16_names)
+            sender.publish(version, tensors)
         with self.lock:
             self.published = version
 

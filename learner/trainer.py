@@ -30,7 +30,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -38,7 +37,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from arpo_async.core.config import Config
 from arpo_async.core.logits import causal_lm_logprobs
 from learner.batching import LeafSample, balanced_split
-from learner.checkpoint import export_hf, tensors_from_numpy
+from learner.checkpoint import export_hf
 from learner.device import model_load_kwargs, prepare_model, setup_device
 from learner.losses import entropy_moments, loss_type, stats_from_moments
 from learner.reference import ReferencePolicy
@@ -256,24 +255,23 @@ class PolicyTrainer:
             [torch.linalg.vector_norm(g.float()) for g in grads])))
 
     # ------------------------------------------------------------------ weights
-    def full_state(self) -> dict[str, np.ndarray]:
-        """Full weights as numpy (HF names), gathered under ZeRO-3; collective."""
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Full weights (HF names) as fresh host tensors of ``model.dtype``, gathered under
+        ZeRO-3, on rank 0 (others: {}); collective. Each tensor carries its dtype from
+        here to the engine that loads it (arpo_async/core/protocol/wire.py)."""
         params = dict(self.engine.module.named_parameters())
         if self.zero3:
             import deepspeed
 
             with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
-                return self._to_numpy(params) if self.rank == 0 else {}
-        return self._to_numpy(params) if self.rank == 0 else {}
+                return self._to_host(params) if self.rank == 0 else {}
+        return self._to_host(params) if self.rank == 0 else {}
 
-    def _to_numpy(self, params: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    def _to_host(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         dtype = _DTYPES[self.cfg.model.dtype]
-        out = {}
-        for name, p in params.items():
-            t = p.detach().to(dtype).cpu().contiguous()  # cast on the device, then copy
-            out[name] = (t.view(torch.uint16).numpy().copy() if dtype == torch.bfloat16
-                         else t.numpy().copy())
-        return out
+        # cast on the device, then copy: never a view of the trained parameter
+        return {name: p.detach().to(dtype).to("cpu", copy=True).contiguous()
+                for name, p in params.items()}
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, folder: Path, model_path: str | Path) -> None:
@@ -282,8 +280,7 @@ class PolicyTrainer:
         checkpoint (every rank its shard: fp32 weights and optimizer state); collective."""
         state = self.full_state()
         if self.rank == 0:
-            export_hf(folder, tensors_from_numpy(state, self.cfg.model.dtype == "bfloat16"),
-                      model_path)
+            export_hf(folder, state, model_path)
         self.engine.save_checkpoint(str(folder), tag=DEEPSPEED_TAG, save_latest=False)
         if dist.is_initialized():
             dist.barrier()

@@ -175,7 +175,7 @@ def check_learner(model_dir: Path, device: str) -> dict:
     return {"check": "learner", "backend": dist.get_backend(), "world": dist.get_world_size(),
             "device": str(param.device), "dtype": str(param.dtype), "step_s": seconds,
             "step_peak_mib": peak, "grad_norm": metrics["grad_norm"],
-            "changed_tensors": sum(not np.array_equal(before[k], after[k]) for k in after),
+            "changed_tensors": sum(not torch.equal(before[k], after[k]) for k in after),
             "probe": trainer.sequence_logprobs([1, 2, 3], [4, 5, 6])}
 
 

@@ -92,8 +92,9 @@ class GenerationEngine(Protocol):
     async def generate(self, req: GenRequest) -> GenResult:
         """Sample one continuation. Weight updates never happen during one call."""
 
-    async def update_weights(self, tensors: dict[str, np.ndarray], version: int) -> float:
-        """Load full weights in place (no engine restart) at a safe point: blocks new calls,
+    async def update_weights(self, tensors: dict[str, Any], version: int) -> float:
+        """Load full weights (torch tensors, or numpy arrays, by HF name; each is cast to
+        the engine's dtype) in place (no engine restart) at a safe point: blocks new calls,
         and waits for the calls in flight (``drain``) or stops them at a token boundary to
         resume after the load (``interrupt``). Returns seconds generation paused."""
 
@@ -200,15 +201,12 @@ def check_weight_names(names: Iterable[str], expected: Mapping[str, tuple] | Non
                              f"{tuple(expected[name])}")
 
 
-def torch_state_dict(tensors: Mapping[str, Any], dtype: Any,
-                     bf16_names: Iterable[str] = ()) -> dict:
-    """Weights as they arrive (numpy arrays keyed by HF state_dict names, or torch
-    tensors) -> contiguous torch tensors of ``dtype``. numpy has no bfloat16: a uint16
-    array is the raw bits of a bfloat16 tensor (no model weight is uint16), whether or
-    not its name is in ``bf16_names``."""
+def torch_state_dict(tensors: Mapping[str, Any], dtype: Any) -> dict:
+    """Weights as they arrive (torch tensors keyed by HF state_dict names, each of its own
+    dtype, as ``WeightsUpdate`` brings them; or numpy arrays) -> contiguous torch tensors
+    of the engine's ``dtype``."""
     import torch  # torch: heavy, and every actor module (and --help) imports this one
 
-    bf16 = set(bf16_names)
     out = {}
     for name, arr in tensors.items():
         if isinstance(arr, torch.Tensor):
@@ -219,11 +217,6 @@ def torch_state_dict(tensors: Mapping[str, Any], dtype: Any,
                 # read (copied into the engine), never written through.
                 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
                 t = torch.from_numpy(np.ascontiguousarray(arr))
-            if arr.dtype == np.uint16 or name in bf16:
-                if arr.dtype not in (np.uint16, np.int16):
-                    raise ValueError(f"weights[{name!r}]: listed as bfloat16 but dtype is "
-                                     f"{arr.dtype}")
-                t = t.view(torch.bfloat16)
         else:
             raise TypeError(f"weights[{name!r}]: expected a numpy array or torch tensor, "
                             f"got {type(arr).__name__}")

@@ -195,11 +195,10 @@ class HFEngine:
     def _load_sync(self, state: dict) -> None:
         self._model.load_state_dict(state, strict=False)
 
-    async def update_weights(self, tensors: dict[str, Any], version: int,
-                             bf16_names: list[str] | tuple[str, ...] = ()) -> float:
+    async def update_weights(self, tensors: dict[str, Any], version: int) -> float:
         """Full weights in place at a safe point; returns seconds new calls were held."""
         t0 = time.perf_counter()
-        state = torch_state_dict(tensors, self._model.dtype, bf16_names)
+        state = torch_state_dict(tensors, self._model.dtype)
         expected = {k: tuple(v.shape) for k, v in self._model.state_dict().items()}
         tied = ["lm_head.weight"] if self._model.config.tie_word_embeddings else []
         check_weight_names({k: v.shape for k, v in state.items()}, expected, optional=tied)

@@ -282,8 +282,7 @@ class SimulatedEngine:
             return (-rng.exponential(math.log(self.vocab.size) / 2, len(tokens))).tolist()
 
     # ------------------------------------------------------------------ weights
-    async def update_weights(self, tensors: dict, version: int,
-                             bf16_names: list[str] | tuple[str, ...] = ()) -> float:
+    async def update_weights(self, tensors: dict, version: int) -> float:
         """Checks names and shapes against the checkpoint, then holds new calls for
         ``sim.update_s`` at a safe point, as a real load would; returns seconds paused."""
         shapes = {k: tuple(getattr(v, "shape", ())) for k, v in tensors.items()}

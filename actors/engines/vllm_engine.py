@@ -20,7 +20,7 @@ Stop strings (tags that are several tokens): vLLM 0.32's detokenizer, with
 string but keeps the token that completed it (only tokens after that one, when a step
 adds several, are dropped). So the ids can run past the stop string (``</python>``
 completing inside the token ``>\n``); they are returned as sampled, each with its
-log-prob, and the text is not used. ``AgentRollout`` handles the overhang
+log-prob, and the text is not used. ``PathStepper`` handles the overhang
 (docs/design.md "Tags as text").
 
 Weights are replaced in place: the tensors go to a safetensors file in /dev/shm and a
@@ -369,8 +369,7 @@ class VLLMEngine:
         entries = out.prompt_logprobs[len(prompt_tokens):]
         return [float(e[t].logprob) for t, e in zip(tokens, entries)]
 
-    async def update_weights(self, tensors: dict[str, Any], version: int,
-                             bf16_names: list[str] | tuple[str, ...] = ()) -> float:
+    async def update_weights(self, tensors: dict[str, Any], version: int) -> float:
         """Load full HF-named weights in place at a safe point; returns the seconds new
         calls were held (drain of the calls in flight + load). Details of the last update
         are in ``self.last_update``."""
@@ -378,7 +377,7 @@ class VLLMEngine:
         import torch
 
         t0 = time.perf_counter()
-        state = torch_state_dict(tensors, getattr(torch, self._dtype), bf16_names)
+        state = torch_state_dict(tensors, getattr(torch, self._dtype))
         if self._expected is not None and "lm_head.weight" not in self._expected:
             # Tied embeddings: the checkpoint has no lm_head (vLLM skips it too), but a
             # learner's state_dict lists the shared tensor under both names.

@@ -12,16 +12,6 @@ from arpo_async.core import protocol as P
 from arpo_async.core.transport.control import expect
 
 
-async def load_update(engine: Any, update: P.WeightsUpdate) -> float:
-    """``engine.update_weights`` with the update's bfloat16 names (the uint16 arrays that
-    carry bfloat16 bits); seconds paused. A float32 update has none to pass, so engines
-    and wrappers without the argument keep working for it."""
-    if update.bf16_names:
-        return await engine.update_weights(update.tensors, update.version,
-                                           bf16_names=list(update.bf16_names))
-    return await engine.update_weights(update.tensors, update.version)
-
-
 class ZmqWeightReceiver:
     """A ``WeightReceiver`` (actors/weights/base.py) over the control channel."""
 
@@ -42,4 +32,5 @@ class ZmqWeightReceiver:
         if update is None or update.version == engine.version or (
                 update.version < engine.version and have >= engine.version):
             return None
-        return Loaded(update.version, await load_update(engine, update), self.channel)
+        paused = await engine.update_weights(update.tensors, update.version)
+        return Loaded(update.version, paused, self.channel)

@@ -7,20 +7,20 @@ is the message to send (``Encoded`` frames for the weights themselves), or an Ac
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import numpy as np
+if TYPE_CHECKING:
+    import torch
 
 
 class WeightSender(Protocol):
     channel: str  # "zmq" or "nccl"
     requests: tuple[type, ...]  # the control messages this channel answers
 
-    def publish(self, version: int, tensors: dict[str, np.ndarray],
-                bf16_names: Iterable[str] = ()) -> None:
-        """Serve ``tensors`` as ``version`` from now on. They are handed over: the caller
-        must not change them afterwards (the trainer hands over fresh copies)."""
+    def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Serve ``tensors`` (host tensors, each of its own dtype) as ``version`` from now
+        on. They are handed over: the caller must not change them afterwards (the trainer
+        hands over fresh copies)."""
 
     def handle(self, msg: Any) -> Any:
         """The reply to one of ``requests``."""

@@ -17,7 +17,7 @@ How it fits the asynchronous design: each actor still pulls at its own safe poin
   exactly that version on the actor's group; the workers receive it concurrently.
 
 The sender thread runs one transfer at a time. It copies the published host snapshot
-(the same numpy arrays ZeroMQ serves) into two GPU staging buffers on a copy stream and
+(the same host tensors ZeroMQ serves) into two GPU staging buffers on a copy stream and
 broadcasts each packed chunk on an NCCL stream, so the training stream is never blocked.
 Chunks follow vLLM's packing rule (``plan_chunks``), which the receiving workers apply to
 the header. A transfer that does not finish within ``learner.nccl_timeout_s`` (the actor
@@ -33,34 +33,31 @@ import queue
 import socket
 import threading
 import time
-import warnings
 from dataclasses import dataclass
 
-import numpy as np
 
 from arpo_async.core import protocol as P
 from arpo_async.core.host import machine_id
 
 log = logging.getLogger("learner.weights")
 
-_TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+_FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 
 # ----------------------------------------------------------------------------- pure helpers
 
 
-def weight_header(tensors: dict[str, np.ndarray], bf16_names=()) -> tuple[list, list, list]:
-    """(names, torch dtype names, shapes) of a published snapshot, in its order; a uint16
-    array is the bits of a bfloat16 tensor (the wire convention of protocol.WeightsUpdate)."""
-    bf16 = set(bf16_names)
+def weight_header(tensors: dict) -> tuple[list, list, list]:
+    """(names, torch dtype names, shapes) of a published snapshot, in its order, each
+    dtype the tensor's own."""
     names, dtypes, shapes = [], [], []
-    for name, arr in tensors.items():
-        kind = "bfloat16" if (name in bf16 or arr.dtype == np.uint16) else str(arr.dtype)
-        if kind not in _TORCH_DTYPES:
-            raise ValueError(f"weights[{name!r}]: dtype {arr.dtype} cannot be sent over NCCL")
+    for name, t in tensors.items():
+        kind = str(t.dtype).removeprefix("torch.")
+        if kind not in _FLOAT_DTYPES:
+            raise ValueError(f"weights[{name!r}]: dtype {kind} cannot be sent over NCCL")
         names.append(name)
-        dtypes.append(_TORCH_DTYPES[kind])
-        shapes.append([int(d) for d in arr.shape])
+        dtypes.append(kind)
+        shapes.append([int(d) for d in t.shape])
     return names, dtypes, shapes
 
 
@@ -92,7 +89,7 @@ def free_listen_socket(host: str) -> socket.socket:
 class _Snapshot:
     version: int
     header: P.NcclWeightsHeader
-    arrays: list[np.ndarray]  # in header order
+    tensors: list  # host tensors, in header order
 
 
 class TransferTimeout(RuntimeError):
@@ -143,9 +140,9 @@ class NcclWeightSender:
                    cfg.learner.nccl_buffer_mb * 2**20, cfg.learner.nccl_timeout_s)
 
     # ------------------------------------------------------------- control thread
-    def publish(self, version: int, tensors: dict[str, np.ndarray], bf16_names=()) -> None:
-        """The newest weights; the arrays must not change afterwards."""
-        names, dtypes, shapes = weight_header(tensors, bf16_names)
+    def publish(self, version: int, tensors: dict) -> None:
+        """The newest weights; the tensors must not change afterwards."""
+        names, dtypes, shapes = weight_header(tensors)
         snap = _Snapshot(version, P.NcclWeightsHeader(version, names, dtypes, shapes),
                          [tensors[n] for n in names])
         with self._lock:
@@ -235,7 +232,7 @@ class NcclWeightSender:
             raise RuntimeError("no group (join failed)")
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
-        sizes = [a.nbytes for a in snap.arrays]
+        sizes = [t.nbytes for t in snap.tensors]
         chunks = plan_chunks(sizes, self.buffer_bytes)
         cap = max(sum(sizes[i] for i in c) for c in chunks)
         if not self._buffers or self._buffers[0].numel() < cap:
@@ -249,7 +246,7 @@ class NcclWeightSender:
             buf, offset = self._buffers[slot], 0
             with torch.cuda.stream(self._copy_stream):
                 for i in chunk:
-                    buf[offset:offset + sizes[i]].copy_(_bytes_view(snap.arrays[i]))
+                    buf[offset:offset + sizes[i]].copy_(_bytes_view(snap.tensors[i]))
                     offset += sizes[i]
                 copied = torch.cuda.Event()
                 copied.record(self._copy_stream)
@@ -284,12 +281,13 @@ class NcclWeightSender:
             log.warning("nccl weights: closing actor %d's group: %s", actor_id, exc)
 
 
-def _bytes_view(arr: np.ndarray):
+def _bytes_view(t):
+    """A host tensor's bytes as a flat uint8 tensor (no copy)."""
     import torch
 
-    with warnings.catch_warnings():  # snapshots are read-only views; only read here
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return torch.from_numpy(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+    if t.numel() == 0:  # an empty tensor's stride cannot be reinterpreted
+        return torch.empty(0, dtype=torch.uint8)
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def _wait(event, deadline: float) -> None:

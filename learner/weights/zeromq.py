@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Iterable
-
-import numpy as np
 
 from arpo_async.core import protocol as P
 from arpo_async.core.transport.control import Encoded
@@ -33,12 +30,10 @@ class ZmqWeightSender:
         self.bytes_served = 0
         self.served: Counter = Counter()  # weights version -> replies carrying it
 
-    def publish(self, version: int, tensors: dict[str, np.ndarray],
-                bf16_names: Iterable[str] = ()) -> None:
-        """Encode ``version`` once; every reply from now on sends the arrays' memory as it
+    def publish(self, version: int, tensors: dict) -> None:
+        """Encode ``version`` once; every reply from now on sends the tensors' memory as it
         is at that moment, so they must not change afterwards."""
-        frames = P.encode(P.WeightsUpdate(version=version, tensors=tensors,
-                                          bf16_names=list(bf16_names)))
+        frames = P.encode(P.WeightsUpdate(version=version, tensors=tensors))
         with self._lock:
             if version <= self._published[0]:
                 raise ValueError(f"weights version {version} published after "

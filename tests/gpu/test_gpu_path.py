@@ -125,7 +125,7 @@ print(json.dumps({
     "backend": dist.get_backend(), "device": str(param.device), "dtype": str(param.dtype),
     "attn": trainer.engine.module.config._attn_implementation,
     "state_dtypes": sorted({str(a.dtype) for a in after.values()}),
-    "changed": sum(not np.array_equal(before[k], after[k]) for k in after),
+    "changed": sum(not torch.equal(before[k], after[k]) for k in after),
     "grad_norm": metrics["grad_norm"],
     "probe": trainer.sequence_logprobs([1, 2, 3], [4, 5, 6]),
 }))
@@ -145,7 +145,7 @@ def test_learner_trains_on_the_gpu_over_nccl(tiny_model_dir):
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["backend"] == "nccl" and out["device"].startswith("cuda")
     assert out["dtype"] == "torch.bfloat16"  # loaded in the training dtype on GPU
-    assert out["state_dtypes"] == ["uint16"]  # bfloat16 bits on the host, for the broadcast
+    assert out["state_dtypes"] == ["torch.bfloat16"]  # the dtype travels with each tensor
     assert out["changed"] > 0 and np.isfinite(out["grad_norm"]) and out["grad_norm"] > 0
     assert len(out["probe"]) == 3 and all(np.isfinite(out["probe"]))
 
@@ -201,9 +201,8 @@ async def test_nccl_weight_sync_into_a_vllm_actor_on_another_gpu(tiny_model_dir)
         assert await sync.sync(engine) is None  # nothing published yet
         for version, seed in [(1, 1), (2, 2)]:
             state = _perturbed(tiny_model_dir, seed)
-            bits = {n: torch.from_numpy(a).to(torch.bfloat16).view(torch.uint16).numpy()
-                    for n, a in state.items()}
-            server.publish(version, bits, bf16_names=list(bits))
+            bf16 = {n: torch.from_numpy(a).to(torch.bfloat16) for n, a in state.items()}
+            server.publish(version, bf16)
             got = await sync.sync(engine)
             assert (got.version, got.channel, engine.version) == (version, "nccl", version)
             _assert_loaded(np.array(await engine.sequence_logprobs(PROMPT, TOKENS)),
@@ -211,7 +210,7 @@ async def test_nccl_weight_sync_into_a_vllm_actor_on_another_gpu(tiny_model_dir)
         assert await sync.sync(engine) is None
         stats = server.stats()
         assert stats["transfers"] == 2 and stats["aborted"] == 0
-        assert stats["bytes"] == 2 * sum(a.nbytes for a in bits.values())
+        assert stats["bytes"] == 2 * sum(t.nbytes for t in bf16.values())
     finally:
         await engine.close()
         server.close()

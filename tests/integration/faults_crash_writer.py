@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import torch
 from safetensors.numpy import load_file
 
 from learner import checkpoint as C
@@ -50,7 +51,7 @@ def main(argv: list[str]) -> None:
     os.replace = replace  # learner/checkpoint.py and arpo_async/core/files.py call os.replace
 
     def write(folder: Path) -> None:
-        C.export_hf(folder, C.tensors_from_numpy({k: v + step for k, v in base.items()}, False),
+        C.export_hf(folder, {k: torch.from_numpy(v + step) for k, v in base.items()},
                     model_dir)
         die("after_weights")
         (folder / "optimizer.bin").write_bytes(optimizer.tobytes())

@@ -490,7 +490,7 @@ async def _hf_drain_check(hf_engine, hf_model, prompt, tokenizer):
     assert res.version == 4 and res.versions == [4, 4]
 
 
-async def test_hf_stop_string_and_bf16_bits(hf_engine, hf_model, prompt, tokenizer):
+async def test_hf_stop_string_and_bf16_weights(hf_engine, hf_model, prompt, tokenizer):
     greedy = await hf_engine.generate(GenRequest(prompt, max_tokens=16, temperature=0.0))
     text = [tokenizer.decode([t]) for t in greedy.tokens]
     i = next(i for i in range(2, 16) if text[i].strip() and "\ufffd" not in text[i]
@@ -499,10 +499,10 @@ async def test_hf_stop_string_and_bf16_bits(hf_engine, hf_model, prompt, tokeniz
                                               stop=[text[i]]))
     assert res.tokens == greedy.tokens[: i + 1]
     assert res.finish_reason == "stop" and res.stop_reason == text[i]
-    # bfloat16 weights travel as uint16 bit patterns (numpy has no bfloat16).
+    # bfloat16 weights arrive as bfloat16 tensors, cast to the engine's dtype on load.
     original = {k: v.clone() for k, v in hf_model.state_dict().items()}
-    bits = {k: v.to(torch.bfloat16).view(torch.uint16).numpy() for k, v in original.items()}
-    await hf_engine.update_weights(bits, 5)
+    bf16 = {k: v.to(torch.bfloat16) for k, v in original.items()}
+    await hf_engine.update_weights(bf16, 5)
     tokens = tokenizer(TEXT)["input_ids"]
     got = await hf_engine.sequence_logprobs(prompt, tokens)
     try:

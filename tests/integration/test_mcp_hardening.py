@@ -190,7 +190,7 @@ def test_a_server_that_exits_at_start_says_why(tmp_path):
 def test_find_call_answers_a_schema_it_cannot_use_instead_of_raising(tiny_model_dir, schema,
                                                                      text):
     """Before: re.error, UnknownType, a referencing error or TypeError out of find_call,
-    unguarded in actors/agent_rollout.py (a custom tool's schema is not checked at start)."""
+    unguarded in actors/rollout/path.py (a custom tool's schema is not checked at start)."""
     from transformers import AutoTokenizer
 
     from toolenv.base import ToolSpec

@@ -112,10 +112,10 @@ async def test_vllm_loads_a_checkpoint_folder(tiny_model_dir, tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     gen = torch.Generator().manual_seed(0)
-    state = {k: (v.detach() + 0.02 * torch.randn(v.shape, generator=gen)).numpy()
+    state = {k: v.detach() + 0.02 * torch.randn(v.shape, generator=gen)
              for k, v in model.named_parameters()}
-    ckpt = C.write_checkpoint(tmp_path, 5, lambda d: C.export_hf(
-        d, C.tensors_from_numpy(state, bf16=False), tiny_model_dir), {"step": 5}, keep=1)
+    ckpt = C.write_checkpoint(tmp_path, 5, lambda d: C.export_hf(d, state, tiny_model_dir),
+                              {"step": 5}, keep=1)
     prompt, tokens = list(range(3, 15)), list(range(40, 52))
     trained = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     with torch.no_grad():

@@ -16,6 +16,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
+import torch
 import pytest
 import zmq
 
@@ -65,14 +66,14 @@ def assert_same_group(a: TrajectoryGroup, b: TrajectoryGroup) -> None:
         assert (x.reward, x.parent) == (y.reward, y.parent)
 
 
-def weights_set(seed: int, scale: int = 1) -> tuple[dict[str, np.ndarray], list[str]]:
-    rng = np.random.default_rng(seed)
-    bf16 = (rng.standard_normal(1000 * scale, dtype=np.float32).view(np.uint32) >> 16)
-    tensors = {"embed": rng.standard_normal((256 * scale, 64), dtype=np.float32),
-               "norm": rng.standard_normal(64).astype(np.float16),
-               "ids": np.arange(10, dtype=np.int64), "flags": rng.random(7) < 0.5,
-               "w_bf16": bf16.astype(np.uint16).reshape(10 * scale, 100)}
-    return tensors, ["w_bf16"]
+def weights_set(seed: int, scale: int = 1) -> dict[str, torch.Tensor]:
+    """Tensors of several dtypes, bfloat16 among them."""
+    gen = torch.Generator().manual_seed(seed)
+    return {"embed": torch.randn(256 * scale, 64, generator=gen),
+            "norm": torch.randn(64, generator=gen).to(torch.float16),
+            "ids": torch.arange(10, dtype=torch.int64),
+            "flags": torch.rand(7, generator=gen) < 0.5,
+            "w_bf16": torch.randn(10 * scale, 100, generator=gen).to(torch.bfloat16)}
 
 
 def free_endpoint() -> str:
@@ -294,29 +295,29 @@ async def test_malformed_replies_fail_the_request_and_are_counted():
 
 
 async def test_weights_reach_four_clients_identically_and_zero_copy_per_version():
-    tensors, bf16 = weights_set(0, scale=8)
+    tensors = weights_set(0, scale=8)
     with ExitStack() as stack:
         server, weights = weights_server(stack)
-        weights.publish(1, tensors, bf16_names=bf16)
-        fresh, _ = weights_set(0, scale=8)
+        weights.publish(1, tensors)
+        fresh = weights_set(0, scale=8)
         clients = [client(stack, server.endpoint, timeout_s=10) for _ in range(4)]
         updates = await asyncio.gather(*[fetch(c, -1, i) for i, c in enumerate(clients)])
         for u in updates:
-            assert u.version == 1 and u.bf16_names == bf16 and set(u.tensors) == set(fresh)
+            assert u.version == 1 and set(u.tensors) == set(fresh)
             for name, ref in fresh.items():
-                assert u.tensors[name].dtype == ref.dtype and np.array_equal(u.tensors[name],
-                                                                             ref), name
+                assert u.tensors[name].dtype == ref.dtype and torch.equal(u.tensors[name],
+                                                                          ref), name
         assert await fetch(clients[0], 1) is None  # up to date: just an Ack
         nbytes = weights.stats()["bytes_served"] // 4
         assert weights.served == {1: 4} and nbytes > sum(a.nbytes for a in fresh.values())
 
-        v2, _ = weights_set(1, scale=8)
-        weights.publish(2, v2, bf16_names=bf16)
+        v2 = weights_set(1, scale=8)
+        weights.publish(2, v2)
         v2["embed"][0, 0] += 1.0  # handed over, not copied: a later reply sends the change
         got = await asyncio.gather(*[fetch(c, have, i)
                                      for i, (c, have) in enumerate(zip(clients, (-1, 0, 1, 2)))])
         assert [u.version if u else None for u in got] == [2, 2, 2, None]
-        assert np.array_equal(got[0].tensors["embed"], v2["embed"])
+        assert torch.equal(got[0].tensors["embed"], v2["embed"])
         assert weights.served == {1: 4, 2: 3} and weights.weights_requests == 9
         assert server.stats()["requests"] == 9
         with pytest.raises(ValueError, match="versions must increase"):
@@ -364,9 +365,8 @@ async def test_clients_reconnect_when_the_learner_restarts_on_the_same_ports():
 
 
 async def test_weights_fetch_throughput_50mb(record_property):
-    tensors = {f"layer{i}": np.random.default_rng(i).standard_normal(50 * 2**20 // 4 // 10,
-                                                                    dtype=np.float32)
-               for i in range(10)}
+    tensors = {f"layer{i}": torch.from_numpy(np.random.default_rng(i).standard_normal(
+        50 * 2**20 // 4 // 10, dtype=np.float32)) for i in range(10)}
     with ExitStack() as stack:
         server, weights = weights_server(stack)
         weights.publish(1, tensors)
@@ -376,7 +376,7 @@ async def test_weights_fetch_throughput_50mb(record_property):
             t0 = time.perf_counter()
             update = await fetch(c, -1)
             times.append(time.perf_counter() - t0)
-            assert np.array_equal(update.tensors["layer9"], tensors["layer9"])
+            assert torch.equal(update.tensors["layer9"], tensors["layer9"])
             del update
         mb = sum(a.nbytes for a in tensors.values()) / 1e6
         rates = [mb / t for t in times]
@@ -431,11 +431,11 @@ async def test_curve_admits_the_listed_client_and_shuts_out_the_rest(tmp_path):
     server_keys, good = K.load_server_keys(tmp_path / "keys"), K.load_client_keys(tmp_path / "keys")
     public, secret = zmq.curve_keypair()
     stranger = K.ClientKeys(public=public, secret=secret, server_public=server_keys.public)
-    tensors, bf16 = weights_set(2)
+    tensors = weights_set(2)
     with ExitStack() as stack:
         rx = stack.enter_context(TrajectoryReceiver(LOOPBACK, curve=server_keys))
         server, weights = weights_server(stack, curve=server_keys)
-        weights.publish(1, tensors, bf16_names=bf16)
+        weights.publish(1, tensors)
 
         # What the listed client gets has generous bounds (a loaded machine is slow to
         # handshake); the bounds on what the others must never get only set how long we look.
@@ -445,7 +445,7 @@ async def test_curve_admits_the_listed_client_and_shuts_out_the_rest(tmp_path):
         await tx.send(make_group(1))
         assert (await asyncio.to_thread(rx.recv, 30.0)).group_id == "g1"
         update = await fetch(c, -1)
-        assert np.array_equal(update.tensors["embed"], tensors["embed"])
+        assert torch.equal(update.tensors["embed"], tensors["embed"])
 
         for keys in (stranger, None):  # an unknown key, and no encryption at all
             bad_tx = TrajectorySender(rx.endpoint, timeout_s=5, curve=keys)

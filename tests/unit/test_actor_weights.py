@@ -8,8 +8,8 @@ protocol ones (and go through its encoder where the wire matters)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
+import torch
 
 from actors.actor import Actor
 from actors.weights import build_weight_receiver
@@ -30,8 +30,9 @@ class Engine:
             self.receive_weights_nccl = self._receive
             self.init_weight_transfer = self._init
 
-    async def update_weights(self, tensors, version, bf16_names=()):
-        self.loaded.append(("zmq", version, sorted(tensors), list(bf16_names)))
+    async def update_weights(self, tensors, version):
+        self.loaded.append(("zmq", version, sorted(tensors),
+                            sorted(n for n, t in tensors.items() if t.dtype == torch.bfloat16)))
         self.version = version
         return 0.25
 
@@ -45,13 +46,6 @@ class Engine:
         self.loaded.append(("nccl", header.version, list(header.names), []))
         self.version = header.version
         return header.version, 0.125
-
-
-class LegacyEngine(Engine):
-    """An engine (or wrapper) whose update_weights predates ``bf16_names``."""
-
-    async def update_weights(self, tensors, version):
-        return await super().update_weights(tensors, version)
 
 
 class Control:
@@ -110,10 +104,9 @@ def wire(update: P.WeightsUpdate) -> P.WeightsUpdate:
     return P.decode(P.encode(update))
 
 
-async def test_bf16_names_reach_the_engine(tmp_path):
-    bits = np.arange(6, dtype=np.uint16).reshape(2, 3)
-    update = wire(P.WeightsUpdate(version=2, tensors={"w": bits, "b": np.ones(3, np.float32)},
-                                  bf16_names=["w"]))
+async def test_bfloat16_tensors_reach_the_engine_as_bfloat16(tmp_path):
+    w = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+    update = wire(P.WeightsUpdate(version=2, tensors={"w": w, "b": torch.ones(3)}))
     engine = Engine()
     actor = make_actor(tmp_path, engine, Control([update]))
     await actor.sync_weights()
@@ -121,9 +114,9 @@ async def test_bf16_names_reach_the_engine(tmp_path):
     assert (actor.updates, actor.pause_s, engine.version) == (1, 0.25, 2)
 
 
-async def test_float32_updates_still_load_into_engines_without_the_argument(tmp_path):
-    update = wire(P.WeightsUpdate(version=1, tensors={"w": np.ones(3, np.float32)}))
-    engine = LegacyEngine()
+async def test_nothing_newer_loads_nothing(tmp_path):
+    update = wire(P.WeightsUpdate(version=1, tensors={"w": torch.ones(3)}))
+    engine = Engine()
     actor = make_actor(tmp_path, engine, Control([update, P.Ack(ok=True)]))
     await actor.sync_weights()
     await actor.sync_weights()  # nothing newer: nothing loaded, nothing counted
@@ -131,7 +124,7 @@ async def test_float32_updates_still_load_into_engines_without_the_argument(tmp_
 
 
 async def test_an_actor_ahead_of_a_restarted_learner_loads_its_older_version(tmp_path):
-    older = P.WeightsUpdate(version=2, tensors={"w": np.ones(3, np.float32)})
+    older = P.WeightsUpdate(version=2, tensors={"w": torch.ones(3)})
     engine = Engine(version=5)
     control = Control([older, older])
     actor = make_actor(tmp_path, engine, control)
@@ -156,7 +149,7 @@ async def test_run_uses_nccl_when_configured_and_the_engine_can(tmp_path):
 
 
 async def test_run_keeps_zeromq_by_default_even_for_an_nccl_capable_engine(tmp_path):
-    update = P.WeightsUpdate(version=3, tensors={"w": np.ones(4, np.float32)})
+    update = P.WeightsUpdate(version=3, tensors={"w": torch.ones(4)})
     engine = Engine(nccl=True)
     control = Control([update])
     actor = make_actor(tmp_path, engine, control)
@@ -190,7 +183,7 @@ async def test_nccl_join_then_updates_and_zeromq_after_the_learner_drops_the_gro
     join = P.NcclJoinReply(ok=True, master_address="127.0.0.1", master_port=1, world_size=3,
                            buffer_bytes=64, num_buffers=2)
     header = P.NcclWeightsHeader(2, ["w"], ["float32"], [[4]])
-    update = P.WeightsUpdate(version=3, tensors={"w": np.zeros(4, np.float32)})
+    update = P.WeightsUpdate(version=3, tensors={"w": torch.zeros(4)})
     control = Scripted(join, P.Ack(ok=True, learner_version=0), header,
                        P.Ack(ok=False, reason="no NCCL group for this actor"), update)
     engine = Engine(nccl=True)

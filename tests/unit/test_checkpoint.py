@@ -115,10 +115,10 @@ def test_exported_folder_loads_in_transformers_with_the_same_weights(tiny_model_
     with torch.no_grad():  # weights that differ from the source folder's
         for p in model.parameters():
             p.add_(0.01)
-    state = {k: v.detach().numpy().copy() for k, v in model.named_parameters()}
+    state = {k: v.detach().clone() for k, v in model.named_parameters()}
 
     def write(folder: Path) -> None:
-        C.export_hf(folder, C.tensors_from_numpy(state, bf16=False), tiny_model_dir)
+        C.export_hf(folder, state, tiny_model_dir)
 
     ckpt = C.write_checkpoint(tmp_path, 1, write, {"step": 1}, keep=1)
     assert sorted(p.name for p in ckpt.glob("*.safetensors")) == ["model.safetensors"]

@@ -1,5 +1,5 @@
 """Pure logic of trajectory-level scheduling and of rounds split into segments:
-``Occupancy`` (actors/rollout.py), the gate's interrupt (actors/engines/base.py) and the
+``Occupancy`` (actors/rollout/base.py), the gate's interrupt (actors/engines/base.py) and the
 stop strings a resumed vLLM segment must also match (``VLLMEngine._boundary_stops``)."""
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import time
 import msgpack
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -53,17 +54,19 @@ def groups(draw) -> P.TrajectoryGroup:
 
 @st.composite
 def weights(draw) -> P.WeightsUpdate:
-    names = draw(st.lists(st.text(min_size=1, max_size=20), unique=True, max_size=6))
-    tensors, bf16 = {}, []
+    """Torch tensors of every wire dtype, bfloat16 with any bits (NaNs included)."""
+    names = draw(st.lists(st.text(min_size=1, max_size=20).filter(lambda n: "/" not in n),
+                          unique=True, max_size=6))
+    tensors = {}
     for name in names:
         shape = hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=5)
-        if draw(st.booleans()):  # a bfloat16 tensor: its bits as a uint16 array
-            tensors[name] = draw(hnp.arrays(np.uint16, shape))
-            bf16.append(name)
+        if draw(st.booleans()):  # a bfloat16 tensor
+            bits = torch.from_numpy(draw(hnp.arrays(np.int16, shape)).copy())
+            tensors[name] = bits.view(torch.bfloat16)
         else:
-            tensors[name] = draw(hnp.arrays(st.sampled_from(WIRE_DTYPES), shape))
-    return P.WeightsUpdate(version=draw(int64), tensors=tensors, sent_at=draw(floats),
-                           bf16_names=bf16)
+            tensors[name] = torch.from_numpy(
+                draw(hnp.arrays(st.sampled_from(WIRE_DTYPES), shape)).copy())
+    return P.WeightsUpdate(version=draw(int64), tensors=tensors, sent_at=draw(floats))
 
 
 def _builds(cls, **kw):
@@ -112,6 +115,10 @@ def assert_same(a, b, where: str = "msg") -> None:
         assert isinstance(b, np.ndarray), where
         assert (a.dtype, a.shape) == (b.dtype, b.shape), where
         assert a.tobytes() == b.tobytes(), where
+    elif isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), where
+        assert _bits(a) == _bits(b), where
     elif isinstance(a, float):
         assert type(b) is float and (a == b or (math.isnan(a) and math.isnan(b))), where
     elif isinstance(a, (list, tuple)):
@@ -126,6 +133,10 @@ def assert_same(a, b, where: str = "msg") -> None:
         assert type(a) is type(b) and a == b, where
 
 
+def _bits(t: torch.Tensor) -> bytes:
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes()
+
+
 def conforms(value, typ: str) -> bool:
     """Does a decoded field hold what its dataclass annotation declares?"""
     checks = {
@@ -134,8 +145,8 @@ def conforms(value, typ: str) -> bool:
         "np.ndarray": lambda v: isinstance(v, np.ndarray),
         "dict[str, float]": lambda v: isinstance(v, dict) and all(
             type(k) is str and type(x) is float for k, x in v.items()),
-        "dict[str, np.ndarray]": lambda v: isinstance(v, dict) and all(
-            type(k) is str and isinstance(x, np.ndarray) for k, x in v.items()),
+        "dict[str, Any]": lambda v: isinstance(v, dict) and all(  # TENSORS fields
+            type(k) is str and isinstance(x, torch.Tensor) for k, x in v.items()),
         "list[str]": lambda v: isinstance(v, list) and all(type(x) is str for x in v),
         "list[list[int]]": lambda v: isinstance(v, list) and all(
             isinstance(x, list) and all(type(i) is int for i in x) for x in v),
@@ -204,26 +215,32 @@ def test_group_round_trip_keeps_leaf_boundaries_and_tree():
     assert out.min_version() == 3 and out.num_tokens() == 8
 
 
-def test_bfloat16_weights_arrive_as_the_same_bits_and_names():
-    torch = pytest.importorskip("torch")
+def test_tensors_arrive_with_their_own_dtype_bfloat16_included():
     ref = torch.randn(4, 3, dtype=torch.bfloat16)
-    msg = P.WeightsUpdate(5, {"w": ref.view(torch.uint16).numpy(),
-                              "b": np.arange(3, dtype=np.float32)}, bf16_names=["w"])
+    msg = P.WeightsUpdate(5, {"w": ref, "b": torch.arange(3, dtype=torch.float32)})
     out = P.decode(wire(msg))
-    assert out.bf16_names == ["w"] and out.tensors["w"].dtype == np.uint16
-    assert torch.equal(torch.from_numpy(out.tensors["w"].copy()).view(torch.bfloat16), ref)
-    assert out.tensors["b"].dtype == np.float32
+    assert out.tensors["w"].dtype == torch.bfloat16 and torch.equal(out.tensors["w"], ref)
+    assert out.tensors["b"].dtype == torch.float32
     header = msgpack.unpackb(wire(msg)[0])
-    assert ["w", "bfloat16", [4, 3]] in header["arrays"]
+    assert header["arrays"] == [["tensors/w", "bfloat16", [4, 3]],
+                                ["tensors/b", "float32", [3]]]
+    assert "bf16_names" not in header["body"]  # the dtype is the tensor's, nowhere else
 
 
 def test_encode_rejects_what_decode_would_reject():
     with pytest.raises(P.ProtocolError, match="float64"):
-        P.encode(P.WeightsUpdate(1, {"x": np.zeros(2)}))
-    with pytest.raises(P.ProtocolError, match="bf16_names"):
-        P.encode(P.WeightsUpdate(1, {"x": np.zeros(2, np.float32)}, bf16_names=["x"]))
-    with pytest.raises(P.ProtocolError, match="not in tensors"):
-        P.encode(P.WeightsUpdate(1, {}, bf16_names=["y"]))
+        P.encode(P.WeightsUpdate(1, {"x": torch.zeros(2, dtype=torch.float64)}))
+    with pytest.raises(P.ProtocolError, match="complex64"):
+        P.encode(P.WeightsUpdate(1, {"x": torch.zeros(2, dtype=torch.complex64)}))
+
+
+def test_tensor_arrays_must_name_a_tensor_field():
+    frames = wire(P.WeightsUpdate(1, {"a": torch.zeros(2)}))
+    for name in ("a", "other/a", "tensors/"):
+        renamed = repack(frames, lambda h, n=name: h["arrays"][0].__setitem__(0, n))
+        assert_rejects(renamed, "bad_arrays")
+    body = repack(frames, lambda h: h["body"].update(tensors={}))
+    assert_rejects(body, "bad_field")
 
 
 def test_numpy_scalars_in_bodies_encode_as_plain_numbers():
@@ -388,7 +405,7 @@ def test_unhashable_kind_and_boolean_version_are_rejected():
 
 
 def test_duplicate_array_names_are_rejected():
-    frames = wire(P.WeightsUpdate(1, {"a": np.zeros(2, np.float32)}))
+    frames = wire(P.WeightsUpdate(1, {"a": torch.zeros(2)}))
     header = msgpack.unpackb(frames[0])
     header["arrays"].append(header["arrays"][0])
     assert_rejects([msgpack.packb(header)] + frames[1:] * 2, "bad_arrays")

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import socket
 
-import numpy as np
 import pytest
+import torch
 
 from actors.weights.nccl import init_info_from, update_info_from
 from arpo_async.core import protocol as P
@@ -31,19 +31,19 @@ def vllm_transfer():
 
 
 def snapshot():
-    rng = np.random.default_rng(0)
-    return {"model.embed_tokens.weight": rng.standard_normal((64, 8)).astype(np.float32),
-            "model.norm.weight": np.ones(8, np.float16),
-            "lm_head.weight": rng.integers(0, 2**16, (64, 8), dtype=np.uint16)}  # bf16 bits
+    gen = torch.Generator().manual_seed(0)
+    return {"model.embed_tokens.weight": torch.randn(64, 8, generator=gen),
+            "model.norm.weight": torch.ones(8, dtype=torch.float16),
+            "lm_head.weight": torch.randn(64, 8, generator=gen).to(torch.bfloat16)}
 
 
 def test_header_names_torch_dtypes_in_snapshot_order():
-    names, dtypes, shapes = weight_header(snapshot(), bf16_names=["lm_head.weight"])
+    names, dtypes, shapes = weight_header(snapshot())
     assert names == ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
     assert dtypes == ["float32", "float16", "bfloat16"]
     assert shapes == [[64, 8], [8], [64, 8]]
     with pytest.raises(ValueError, match=r"weights\['x'\]: dtype int64"):
-        weight_header({"x": np.zeros(3, np.int64)})
+        weight_header({"x": torch.zeros(3, dtype=torch.int64)})
 
 
 @pytest.mark.filterwarnings("ignore:Tensor .* exceeds buffer_size_bytes")
@@ -103,13 +103,13 @@ def test_offer_sends_the_header_of_the_newest_version_and_queues_exactly_it():
     srv._jobs.get_nowait()[2].close()
     assert srv.handle(P.NcclWeightsRequest(1, -1)) == P.Ack(ok=True, learner_version=-1)
     weights = snapshot()
-    srv.publish(4, weights, bf16_names=["lm_head.weight"])
+    srv.publish(4, weights)
     header = srv.handle(P.NcclWeightsRequest(actor_id=1, have_version=2))
     assert isinstance(header, P.NcclWeightsHeader) and header.version == 4
     assert (header.names, header.dtype_names, header.shapes) == weight_header(weights)
     kind, actor_id, snap = srv._jobs.get_nowait()
     assert (kind, actor_id, snap.version) == ("send", 1, 4)
-    assert all(a is weights[n] for a, n in zip(snap.arrays, header.names))  # no copy
+    assert all(t is weights[n] for t, n in zip(snap.tensors, header.names))  # no copy
     assert srv.handle(P.NcclWeightsRequest(1, 4)).learner_version == 4  # up to date
     refused = srv.handle(P.NcclWeightsRequest(actor_id=9, have_version=0))
     assert not refused.ok and "no NCCL group" in refused.reason and srv._jobs.empty()
@@ -118,11 +118,12 @@ def test_offer_sends_the_header_of_the_newest_version_and_queues_exactly_it():
 def test_zeromq_serves_one_encoding_per_version_and_acks_the_up_to_date():
     zmq = ZmqWeightSender()
     assert zmq.handle(P.WeightsRequest(0, -1)) == P.Ack(ok=True, learner_version=-1)
-    zmq.publish(3, snapshot(), bf16_names=["lm_head.weight"])
+    zmq.publish(3, snapshot())
     first, second = zmq.handle(P.WeightsRequest(0, -1)), zmq.handle(P.WeightsRequest(1, 2))
     assert isinstance(first, Encoded) and first.frames is second.frames  # encoded once
     update = P.decode(first.frames)
-    assert update.version == 3 and update.bf16_names == ["lm_head.weight"]
+    assert update.version == 3 and update.tensors["lm_head.weight"].dtype == torch.bfloat16
+    assert torch.equal(update.tensors["lm_head.weight"], snapshot()["lm_head.weight"])
     assert zmq.handle(P.WeightsRequest(0, 3)) == P.Ack(ok=True, learner_version=3)
     assert zmq.served == {3: 2} and zmq.stats()["requests"] == 4
     with pytest.raises(ValueError, match="versions must increase"):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -176,19 +176,14 @@ class WeightsRequest:
 
 @dataclass
 class WeightsUpdate:
-    """Full weights; ``tensors`` maps parameter name to array (raw frames).
-
-    numpy has no bfloat16, so a bfloat16 tensor travels as its raw bits in a uint16 array
-    (``torch_tensor.view(torch.uint16).numpy()``) and its name is listed in
-    ``bf16_names``; the receiver gets the same uint16 array and the same list back and
-    restores it with ``torch.from_numpy(arr).view(torch.bfloat16)``.
-    """
+    """Full weights: parameter name -> torch tensor, each with its own dtype (bfloat16
+    included), sent as raw frames and received as tensors of the same dtype and shape."""
 
     KIND: ClassVar[str] = "weights"
+    TENSORS: ClassVar[tuple[str, ...]] = ("tensors",)  # fields whose tensors travel as frames
     version: int
-    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    tensors: dict[str, Any] = field(default_factory=dict)
     sent_at: float = field(default_factory=time.time)
-    bf16_names: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -232,6 +227,7 @@ class NcclJoinRequest:
     """A vLLM GPU actor asks to receive weights over NCCL (learner.weight_sync=nccl)."""
 
     KIND: ClassVar[str] = "nccl_join"
+    CHANNEL: ClassVar[str] = "nccl"  # a weight channel's request (learner/service.py routes)
     actor_id: int
     machine_id: str  # the kernel boot id: equal only on the same machine
     workers: int = 1  # the actor's vLLM worker processes (tensor parallel size)
@@ -257,6 +253,7 @@ class NcclWeightsRequest:
     """Sent at the actor's safe point: weights newer than ``have_version``, over NCCL."""
 
     KIND: ClassVar[str] = "nccl_weights_request"
+    CHANNEL: ClassVar[str] = "nccl"
     actor_id: int
     have_version: int
 

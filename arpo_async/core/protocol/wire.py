@@ -2,7 +2,14 @@
 
 Frame 0 is a msgpack map ``{"p": PROTOCOL_VERSION, "kind": str, "body": {...}, "arrays":
 [[name, dtype, shape], ...]}``; frames 1..n are the raw bytes of the arrays, in order
-(numpy arrays never travel inside msgpack: a raw frame is ten times faster for weights).
+(arrays never travel inside msgpack: a raw frame is ten times faster for weights).
+
+Two kinds of message carry arrays. A trajectory group's leaves are numpy arrays,
+concatenated per field. A message that names fields in ``TENSORS`` (``WeightsUpdate``)
+carries dicts of torch tensors, by one rule for any such message: each tensor is the array
+``FIELD/NAME`` with its torch dtype in the header (bfloat16 too, whose bits numpy holds as
+uint16 on the way), and comes out as a tensor of that dtype and shape. The dtype travels
+with the tensor; nothing else says which tensors are bfloat16.
 ``decode`` validates the header, every body field's type and every array's dtype, shape
 and byte size, and raises ``ProtocolError`` with a reason; it never trusts a length it
 has not checked against the frames."""
@@ -15,18 +22,13 @@ from typing import Any
 
 import numpy as np
 
-from arpo_async.core.protocol.messages import (
-    MESSAGES,
-    ProtocolError,
-    Trajectory,
-    TrajectoryGroup,
-    WeightsUpdate,
-)
+from arpo_async.core.protocol.messages import MESSAGES, ProtocolError, Trajectory, TrajectoryGroup
 
-# msgpack is imported in encode/decode: the package's names are imported by pure modules
-# (arpo_async/core/staleness.py reads GrantReason), which never touch the wire.
+# msgpack is imported in encode/decode, torch where a message carries tensors: the
+# package's names are imported by pure modules (arpo_async/core/staleness.py reads
+# GrantReason), which never touch the wire.
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: tensors carry their dtype (1 listed bfloat16 names beside them)
 DEFAULT_MAX_BYTES = 256 * 2**20
 
 _ALLOWED_DTYPES = {"int32", "int64", "uint8", "uint16", "float32", "float16", "bfloat16", "int8",
@@ -46,16 +48,19 @@ def _array_bytes(arr: np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
 
 
-def _wire_array(name: str, arr: np.ndarray, bf16: bool) -> tuple[str, np.ndarray]:
-    """(wire dtype name, array whose bytes are sent); rejects what ``decode`` would."""
+def _wire_array(name: str, arr: Any) -> tuple[str, np.ndarray]:
+    """(wire dtype name, array whose bytes are sent) of a numpy array or a torch tensor;
+    rejects what ``decode`` would."""
+    if not isinstance(arr, np.ndarray):  # a torch tensor: its dtype goes into the header
+        dtype = str(arr.dtype).removeprefix("torch.")
+        if dtype not in _ALLOWED_DTYPES:
+            raise ProtocolError("bad_dtype", f"{name}: {dtype} cannot be sent "
+                                f"(allowed: {sorted(_ALLOWED_DTYPES)})")
+        import torch
+
+        t = arr.detach().cpu().contiguous()
+        return dtype, (t.view(torch.uint16) if dtype == "bfloat16" else t).numpy()
     dtype = str(arr.dtype)
-    if dtype == "bfloat16":  # an ml_dtypes array: send its bits
-        return "bfloat16", arr.view(np.uint16)
-    if bf16:
-        if dtype not in ("uint16", "int16"):
-            raise ProtocolError("bad_dtype", f"{name}: listed in bf16_names but is {dtype}, "
-                                "expected the uint16 view of a bfloat16 tensor")
-        return "bfloat16", arr.view(np.uint16)
     if dtype not in _ALLOWED_DTYPES:
         raise ProtocolError("bad_dtype", f"{name}: {dtype} cannot be sent "
                             f"(allowed: {sorted(_ALLOWED_DTYPES)})")
@@ -84,16 +89,13 @@ def encode(msg: Any) -> list[Any]:
                      for leaf in msg.leaves]
             arrays.append((name, np.concatenate(parts) if parts
                            else np.zeros(0, _LEAF_DTYPES[name])))
-    elif isinstance(msg, WeightsUpdate):
-        missing = set(msg.bf16_names) - set(msg.tensors)
-        if missing:
-            raise ProtocolError("bad_arrays", f"bf16_names not in tensors: {sorted(missing)[:5]}")
-        body = {"version": msg.version, "sent_at": msg.sent_at}
-        arrays = [(n, np.asarray(a)) for n, a in msg.tensors.items()]
     else:
-        body = dataclasses.asdict(msg)
-    bf16 = set(msg.bf16_names) if isinstance(msg, WeightsUpdate) else set()
-    wire = [(n, *_wire_array(n, a, n in bf16)) for n, a in arrays]
+        tensors = getattr(msg, "TENSORS", ())
+        body = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)
+                if f.name not in tensors}  # flat fields: msgpack takes them as they are
+        for f in tensors:
+            arrays += [(f"{f}/{n}", t) for n, t in getattr(msg, f).items()]
+    wire = [(n, *_wire_array(n, a)) for n, a in arrays]
     header = {"p": PROTOCOL_VERSION, "kind": kind, "body": body,
               "arrays": [[n, dtype, list(a.shape)] for n, dtype, a in wire]}
     import msgpack  # msgpack: not for the pure modules (see the note at the top)
@@ -209,10 +211,24 @@ def _decode_group(body: dict, arrays: list[tuple[str, np.ndarray]]) -> Trajector
     return group
 
 
-def _decode_weights(body: dict, spec: list, arrays: list) -> WeightsUpdate:
-    bf16 = [name for name, dtype, _ in spec if dtype == "bfloat16"]
-    return WeightsUpdate(version=_typed(body, "version", int), tensors=dict(arrays),
-                         sent_at=_typed(body, "sent_at", float), bf16_names=bf16)
+def _decode_tensors(cls: type, body: dict, spec: list,
+                    arrays: list[tuple[str, np.ndarray]]) -> Any:
+    """A message with ``TENSORS`` fields: each ``FIELD/NAME`` array becomes a torch tensor
+    of the header's dtype in that field's dict."""
+    import warnings
+
+    import torch
+
+    fields: dict[str, dict] = {f: {} for f in cls.TENSORS}
+    for (_, dtype, _), (name, arr) in zip(spec, arrays):
+        field, _, key = name.partition("/")
+        _check(field in fields and key != "", "bad_arrays", f"{name[:40]!r}")
+        with warnings.catch_warnings():  # views of the received frames, only ever read
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            t = torch.from_numpy(arr)
+        fields[field][key] = t.view(torch.bfloat16) if dtype == "bfloat16" else t
+    _check(not set(fields) & set(body), "bad_field", "a tensor field in the body")
+    return _build(cls, body | fields)
 
 
 def decode(frames: list, max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
@@ -240,8 +256,8 @@ def decode(frames: list, max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
     try:
         if cls is TrajectoryGroup:
             return _decode_group(body, arrays)
-        if cls is WeightsUpdate:
-            return _decode_weights(body, header.get("arrays", []), arrays)
+        if getattr(cls, "TENSORS", ()):
+            return _decode_tensors(cls, body, header["arrays"], arrays)
         _check(not arrays, "bad_arrays", f"{kind} carries no arrays")
         return _build(cls, body)
     except ProtocolError:
