@@ -24,7 +24,13 @@ import msgpack
 import numpy as np
 import zmq
 
-from arpo_async.core.protocol import Hello, Trajectory, TrajectoryGroup, encode
+from arpo_async.core.protocol import (
+    PROTOCOL_VERSION,
+    Hello,
+    Trajectory,
+    TrajectoryGroup,
+    encode,
+)
 
 # ----------------------------------------------------------------------------- processes
 
@@ -164,7 +170,8 @@ def fuzz_frames(rng: np.random.Generator, i: int, max_mb: float = 8) -> list[byt
     if kind == 2:  # a frame missing or one too many
         return frames[:-1] if rng.random() < 0.5 else frames + [b"extra"]
     if kind == 3:  # wrong protocol version
-        bad = [0, 2, 99, -1, "1", 1.0, True, None][int(rng.integers(0, 8))]
+        v = PROTOCOL_VERSION  # around the real one: the next, its string and float, a bool
+        bad = [0, v + 1, 99, -1, str(v), float(v), True, None][int(rng.integers(0, 8))]
         return _with_header(frames, lambda h: h.__setitem__("p", bad))
     if kind == 4:  # unknown kind
         return _with_header(frames, lambda h: h.__setitem__("kind", f"kind{i}"))
