@@ -100,8 +100,13 @@ def test_killed_actor_restarts_and_a_stalled_one_only_loses_its_late_groups(tiny
     alone does not tell that actor 1 held one.)"""
     # long groups (a random model rarely stops early): actors are busy generating, so a
     # stopped actor holds tickets (spine.yaml caps a sample at 48 tokens and a response at
-    # 96: lift both)
+    # 96: lift both). update_mode=drain makes the late group's weights certain: on SIGCONT
+    # its requests enter the engine before any weight sync can (they are scheduled first,
+    # a sync needs a round trip to the learner), and a drain lets them finish on the
+    # weights of the stop. With interrupt, a sync landing before their first token resumed
+    # them on new weights, fresh and not stale (the test failed so once under load).
     run = Run(tmp_path / "run", tiny_model_dir, "actors.num=2", f"learner.max_steps={MAX_STEPS}",
+              "actors.update_mode=drain",
               "rollout.mode=grpo", "rollout.group_size=8", "sampling.round_max_tokens=192",
               "sampling.max_response_tokens=192", "learner.batch_groups=2",
               "actors.max_inflight_trajectories=0", "actors.concurrent_groups=2",
