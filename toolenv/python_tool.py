@@ -117,8 +117,22 @@ def _arpo_exit(code):
         except Exception:
             pass
     os._exit(code & 255)
+# The sandbox's init (bwrap --as-pid-1) must not be killable by the snippet (init gets no
+# signal it has no handler for; Python's SIGINT handler and the others are set to ignore).
+# They are ignored before the fork, so no snippet ever runs while its parent still has the
+# defaults (under load the parent could be descheduled right after forking); the child
+# takes back what it had before it says it is ready.
+_saved = {}
+for _sig in signal.valid_signals():
+    if _sig not in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD):
+        try:
+            _saved[_sig] = signal.signal(_sig, signal.SIG_IGN)
+        except (OSError, ValueError):
+            pass
 _pid = os.fork()
 if _pid == 0:
+    for _sig, _old in _saved.items():
+        signal.signal(_sig, signal.SIG_DFL if _old is None else _old)
     os.write(1, __READY__)
     try:
         _arpo_run()
@@ -126,15 +140,7 @@ if _pid == 0:
         _arpo_exit(_exc.code)
     _arpo_exit(0)
 else:
-    # The sandbox's init (bwrap --as-pid-1): the snippet cannot kill its waiting parent
-    # (init gets no signal it has no handler for; Python's SIGINT handler and the others
-    # are set to ignore), so the call always ends with the snippet's own status.
-    for _sig in signal.valid_signals():
-        if _sig not in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD):
-            try:
-                signal.signal(_sig, signal.SIG_IGN)
-            except (OSError, ValueError):
-                pass
+    # The waiting parent: the call always ends with the snippet's own status.
     # The host's output pipe, kept: its reader gone means the host is gone (died, or
     # dropped the sandbox), and then the call ends now, as it would with bwrap as init.
     _host = os.dup(1)

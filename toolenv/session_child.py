@@ -322,13 +322,7 @@ def _keep(host):
     # memory through /proc or attach to it (the seccomp filter also denies ptrace).
     ctypes.CDLL(None).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
     # As init it ignores signals it has no handler for; Python's own SIGINT handler and
-    # any other default a call could use are set to ignore explicitly.
-    for sig in signal.valid_signals():
-        if sig not in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD):
-            try:
-                signal.signal(sig, signal.SIG_IGN)
-            except (OSError, ValueError):
-                pass
+    # any other default a call could use were set to ignore before the fork (main).
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
@@ -356,8 +350,20 @@ def main():
         except Exception:
             pass
     host = os.dup(0)
+    # The keeper (init) ignores every signal a call could send it, from before the fork:
+    # no call ever runs while it still has Python's defaults; the server takes back what
+    # it had.
+    saved = {}
+    for sig in signal.valid_signals():
+        if sig not in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD):
+            try:
+                saved[sig] = signal.signal(sig, signal.SIG_IGN)
+            except (OSError, ValueError):
+                pass
     pid = os.fork()
     if pid == 0:
+        for sig, old in saved.items():
+            signal.signal(sig, signal.SIG_DFL if old is None else old)
         os.close(host)
         _seed()
         os.write(1, _READY)
