@@ -19,10 +19,11 @@ import math
 import os
 import platform
 import shutil
-import socket
 import sys
 import time
 from pathlib import Path
+
+from arpo_async.core.ports import free_port  # noqa: F401  (the benches import it from here)
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -61,12 +62,6 @@ def tree_cpu_s(exclude: tuple[int, ...] = ()) -> float:
             continue
         total += t.user + t.system
     return total
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def ensure_tiny(path: str | Path, hidden: int = 128, layers: int = 2) -> Path:

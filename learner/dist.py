@@ -5,11 +5,11 @@ follows)."""
 from __future__ import annotations
 
 import os
-import socket
 
 import torch.distributed as dist
 
 from arpo_async.core.dsops import prebuild_deepspeed_ops
+from arpo_async.core.ports import free_port
 from learner.device import dist_backend, setup_device
 
 
@@ -17,9 +17,7 @@ def init_distributed(cfg=None) -> None:
     """Join the learner's process group: NCCL on GPUs (``cluster.device=cuda``, each rank
     on ``cuda:LOCAL_RANK``), gloo on CPU and when no config is given (tests, benches)."""
     if "WORLD_SIZE" not in os.environ:  # single rank without torchrun
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     backend = "gloo"

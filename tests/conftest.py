@@ -90,13 +90,12 @@ def run_ranks(script: str, args: list[str], world: int, timeout: float):
     ranks on a free port, in the repo with one CPU thread each. Gloo ranks of a two-rank
     ZeRO-3 run once died of SIGABRT in CI (passing on every rerun since): one retry for
     that, reported, never for a wrong result."""
-    import socket
     import subprocess
     import warnings
 
-    with socket.socket() as sock:  # torchrun's rendezvous hangs on port 0
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from arpo_async.core.ports import free_port
+
+    port = free_port()  # torchrun's rendezvous hangs on port 0
     cmd = [PY, "-c", script] if world == 1 else [
         PY, "-m", "torch.distributed.run", f"--nproc-per-node={world}", f"--master-port={port}",
         "--no-python", PY, "-c", script]

@@ -63,7 +63,7 @@ from arpo_async.jobs import chaos_faults as F
 from arpo_async.jobs.chaos_verdict import ancestors, run_processes, table, verdict
 from arpo_async.jobs.pipeline import build_data, build_model
 from arpo_async.jobs.sft import run_sft
-from arpo_async.launcher.supervisor import _free_port
+from arpo_async.core.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 FAULTS = ("actor_kill", "actor_stop", "learner_kill", "launcher_kill", "retriever_kill",
@@ -154,7 +154,7 @@ class Soak:
                 raise SystemExit("tools.enabled has search: give tools.retriever_url or "
                                  "task.name=file (the suite's corpus)")
             self.retriever = F.Retriever(Path(data["dir"]) / "corpus.jsonl",
-                                         _free_port("127.0.0.1"),
+                                         free_port("127.0.0.1"),
                                          self.run_dir / "logs" / "retriever.log", self.env)
             self.retriever.start()
             self.proxy = F.DelayProxy(self.retriever.port).start()

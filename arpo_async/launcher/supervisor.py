@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,17 +31,12 @@ from arpo_async.core.dsops import prebuild_deepspeed_ops
 from arpo_async.core.files import atomic_write_bytes, atomic_write_json, read_json
 from arpo_async.core.host import is_loopback
 from arpo_async.core.keys import SecurityError, keys_dir, require_security
+from arpo_async.core.ports import free_port
 from arpo_async.core.metrics import append_jsonl, read_metrics
 from arpo_async.core.rundir import exit_record, latest_checkpoint, recorded_exit
 from arpo_async.launcher.plan import RoleSpec
 from arpo_async.launcher.plan import plan as process_plan
 from arpo_async.launcher.progress import Progress
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host if host not in ("0.0.0.0", "*") else "127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -79,9 +73,9 @@ def resolve(args: LaunchRequest, prepare: Preflight | None = None) -> Config:
         prepare(cfg, args.dry_run)
     t = cfg.transport
     if t.trajectory_port == 0:
-        t.trajectory_port = _free_port(t.host)
+        t.trajectory_port = free_port(t.host)
     if t.control_port == 0:
-        t.control_port = _free_port(t.host)
+        t.control_port = free_port(t.host)
     return cfg
 
 
@@ -235,7 +229,7 @@ def plan(cfg: Config, config_path: Path, resume: bool = False
 
 
 def _master_port(cfg: Config) -> int:
-    return cfg.cluster.master_port or _free_port("127.0.0.1")
+    return cfg.cluster.master_port or free_port("127.0.0.1")
 
 
 def _print_remote(remote: list[RoleSpec]) -> None:
@@ -309,7 +303,7 @@ def _with_resume(cmd: list[str], fixed_port: int = 0) -> list[str]:
     rendezvous port (the dead one's may linger in TIME_WAIT) unless ``cluster.master_port``
     fixed it (``fixed_port``): torchrun's ``--master-port=P`` or DeepSpeed's
     ``--master_port P``."""
-    port = str(fixed_port or _free_port("127.0.0.1"))
+    port = str(fixed_port or free_port("127.0.0.1"))
     out = []
     for i, c in enumerate(cmd):
         if c.startswith("--master-port="):

@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from arpo_async.core.config import ConfigError, ToolsConfig
+from arpo_async.core.ports import free_port
 from toolenv.runner import build_tools
 from toolenv.syntax import ArpoSyntax, HermesSyntax, tool_specs
 
@@ -98,9 +99,7 @@ async def test_stdio_server_through_the_runner(tmp_path, tiny_model_dir):
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_port()
 
 
 def _listening(port: int) -> bool:

@@ -7,26 +7,20 @@ from __future__ import annotations
 
 import json
 import shlex
-import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
+from arpo_async.core.ports import free_ports
 from tests.conftest import PY, REPO, python_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+    return free_ports(n)
 
 
 def _write_config(path: Path, run_dir: Path, model: Path) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
 import socket
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from arpo_async.core.ports import free_ports
 from tests.conftest import PY, SPINE, python_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -29,21 +29,9 @@ _NODES = ("n1", "n2")
 
 
 def _free_ports(n: int) -> list[int]:
-    """``n`` ports free now, below the kernel's ephemeral range: between our choosing
-    them and a daemon or the learner binding them, the sockets srun and slurmstepd open
-    take ephemeral ports, and one once took the learner's ("Address already in use")."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    rng, ports = random.Random(os.getpid()), []
-    while len(ports) < n:
-        port = rng.randrange(20000, min(low, 29000))
-        with socket.socket() as s:
-            try:
-                s.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-        if port not in ports:
-            ports.append(port)
-    return ports
+    """Below the kernel's ephemeral range (arpo_async/core/ports.py): the sockets srun and
+    slurmstepd open take ephemeral ports, and one once took the learner's."""
+    return free_ports(n)
 
 
 def _slurm_conf(d: Path, ports: list[int]) -> str:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 import stat
 import subprocess
 import sys
@@ -22,6 +21,7 @@ import zmq
 
 from actors.weights.zeromq import ZmqWeightReceiver
 from arpo_async.core import keys as K
+from arpo_async.core.ports import free_port
 from arpo_async.core.protocol import (
     Ack,
     Bye,
@@ -77,9 +77,7 @@ def weights_set(seed: int, scale: int = 1) -> dict[str, torch.Tensor]:
 
 
 def free_endpoint() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 class Handler:
