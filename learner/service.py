@@ -231,6 +231,12 @@ class LearnerService:
         want = max(0, min(msg.n, share - led.outstanding()))
         if want == 0:
             return P.TicketGrant(0, self.published, reason=P.GrantReason.FAIR_SHARE)
+        # no group past the last step's: it would only be generated to be dropped at the
+        # end ("shutdown"); a released ticket (dropped, lost) opens its place again
+        left = self.cfg.learner.max_steps * self.cfg.learner.batch_groups - self.admission.started
+        if left <= 0:
+            return P.TicketGrant(0, self.published, reason=P.GrantReason.RUN_FULL)
+        want = min(want, left)
         granted, reason = self.admission.grant(want, self.version, msg.version)
         led.grant(granted, min(msg.version, self.version))
         return P.TicketGrant(granted, self.published, reason=reason)

@@ -149,3 +149,20 @@ def test_a_group_gives_back_the_ticket_it_names_else_the_oldest():
     assert dict(led.actor(0).ticket_versions) == {0: 1}
     assert led.hello(0, pid=8, version=3) == ("restart", 1)  # void: none at risk
     assert led.at_risk(10) == 0
+
+
+def test_no_ticket_past_the_last_steps_groups(tmp_path):
+    cfg = config_from_dict({"run": {"dir": str(tmp_path)}, "actors": {"num": 1},
+                            "learner": {"batch_groups": 2, "max_steps": 1}})
+    svc = LearnerService(cfg, vocab_size=4096)
+    try:
+        assert svc._handle(P.Hello(0, pid=5), b"").ok
+        grant = svc._handle(P.TicketRequest(0, 0, 3), b"")
+        assert grant.granted == 2
+        grant = svc._handle(P.TicketRequest(0, 0, 1), b"")
+        assert (grant.granted, grant.reason) == (0, P.GrantReason.RUN_FULL)
+        svc.admission.release(1, "stale")  # a dropped group's place opens again
+        assert svc._handle(P.TicketRequest(0, 0, 1), b"").granted == 1
+    finally:
+        svc.control.stop()
+        svc.receiver.close()
