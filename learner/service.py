@@ -323,8 +323,10 @@ class LearnerService:
                 ready_at = time.monotonic() if ready_at is None else ready_at
                 if out == 0:
                     break
-                if time.monotonic() - ready_at >= self.cfg.learner.straggler_wait_s:
-                    self.events["straggler_wait_expired"] += 1
+                limit = self.cfg.learner.straggler_wait_s
+                if time.monotonic() - ready_at >= limit:
+                    if limit > 0:  # 0: never waits, nothing expired
+                        self.events["straggler_wait_expired"] += 1
                     break
             group = self._recv(0.5)
             if group is None:
