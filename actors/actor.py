@@ -55,10 +55,22 @@ log = logging.getLogger("actor")
 FAULT_STOP_AFTER_GRANT = "ARPO_FAULT_STOP_AFTER_GRANT"
 
 
+# Fault point for tests: "ACTOR:SECONDS[:VERSION]" makes that actor hold its first group,
+# once generated, this long before sending it (as a slow last tool call would; heartbeats
+# go on, so its ticket stays held), or until the learner published VERSION: a straggler
+# for certain. Unset in every real run.
+FAULT_HOLD_FIRST_GROUP = "ARPO_FAULT_HOLD_FIRST_GROUP"
+
+
+def _fault_spec(name: str, actor_id: int) -> str | None:
+    spec = os.environ.get(name, "")
+    who, _, value = spec.partition(":")
+    return value if spec and int(who) == actor_id else None
+
+
 def _fault_stop_version(actor_id: int) -> int | None:
-    spec = os.environ.get(FAULT_STOP_AFTER_GRANT, "")
-    who, _, version = spec.partition(":")
-    return int(version) if spec and int(who) == actor_id else None
+    value = _fault_spec(FAULT_STOP_AFTER_GRANT, actor_id)
+    return None if value is None else int(value)
 
 
 class Actor:
@@ -84,6 +96,8 @@ class Actor:
         self._in_flight: set[int] = set()  # stream positions of prompts not yet delivered
         self._probe_path = Path(cfg.run.dir) / f"actor{actor_id}_probe.jsonl"
         self._stop_at = _fault_stop_version(actor_id)
+        hold = _fault_spec(FAULT_HOLD_FIRST_GROUP, actor_id)
+        self._hold = None if hold is None else [float(x) for x in hold.split(":")]
         # ZeroMQ until run() has met the learner and picked the configured channel
         self.weights: WeightReceiver = ZmqWeightReceiver(self.control, actor_id)
 
@@ -143,12 +157,14 @@ class Actor:
             await asyncio.sleep(self.cfg.actors.heartbeat_s)
 
     # ------------------------------------------------------------------ admission
-    async def _ticket(self) -> bool:
-        """Ask until a ticket is granted (True) or the learner says stop (False)."""
+    async def _ticket(self) -> int | None:
+        """Ask until a ticket is granted (the weights version it was asked on, which the
+        group reports so that the learner knows which ticket it used) or the learner says
+        stop (None)."""
         while not self.stop:
             t0 = time.perf_counter()
-            grant = await self.control.request(P.TicketRequest(self.actor_id,
-                                                               self.engine.version, 1))
+            asked_on = self.engine.version
+            grant = await self.control.request(P.TicketRequest(self.actor_id, asked_on, 1))
             if grant.stop:
                 self.stop = True
                 break
@@ -167,10 +183,10 @@ class Actor:
             self.idle_s += time.perf_counter() - t0
             if 0 <= self.control.learner_version < self.engine.version:
                 await self.sync_weights()  # never generate with weights the learner lost
-            return True
-        return False
+            return asked_on
+        return None
 
-    async def _group(self) -> None:
+    async def _group(self, ticket_version: int) -> None:
         """Generate the next prompt's group and send it. Its first trajectories count
         as generating before this coroutine first waits (``Rollout.run``)."""
         pos = self.source.position
@@ -184,8 +200,17 @@ class Actor:
             os.killpg(os.getpgrp(), signal.SIGSTOP)  # a test sends SIGCONT
         group = await self.rollout.run(self.source.next(), self.actor_id)
         # the actor's own figures next to the rollout's (branch/*), never instead of them
+        if self._hold is not None:
+            (hold_s, *until), self._hold = self._hold, None
+            log.warning("actor %d: %s: holding group at position %d for %.0f s",
+                        self.actor_id, FAULT_HOLD_FIRST_GROUP, pos, hold_s)
+            end = time.monotonic() + hold_s
+            while time.monotonic() < end and not (
+                    until and self.control.learner_version >= until[0]):
+                await asyncio.sleep(0.1)
         group.stats = {**group.stats, "gen_s": time.time() - group.created_at,
-                       "pid": float(os.getpid()), "data_pos": float(pos)}
+                       "pid": float(os.getpid()), "data_pos": float(pos),
+                       "ticket_version": float(ticket_version)}
         await self.sender.send(group)  # stamps sent_at
         self._in_flight.discard(pos)
         self.groups_sent += 1
@@ -194,8 +219,8 @@ class Actor:
 
     async def _slot(self) -> None:
         """Group slots (``max_inflight_trajectories=0``): one group at a time, whole."""
-        while await self._ticket():
-            await self._group()
+        while (ticket := await self._ticket()) is not None:
+            await self._group(ticket)
 
     async def _scheduler(self, target: int) -> None:
         """Trajectory-level scheduling: a new group whenever fewer than ``target``
@@ -208,9 +233,10 @@ class Actor:
                 for task in [t for t in groups if t.done()]:
                     groups.discard(task)
                     task.result()  # a failed group ends the actor
-                if not await self._ticket():
+                ticket = await self._ticket()
+                if ticket is None:
                     break
-                task = asyncio.create_task(self._group())
+                task = asyncio.create_task(self._group(ticket))
                 groups.add(task)
                 self.groups_started += 1
                 self.max_groups_in_flight = max(self.max_groups_in_flight,

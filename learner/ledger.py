@@ -43,6 +43,10 @@ class ActorLedger:
     pid: int = 0  # current incarnation (from Hello)
     hello: bool = False  # said Hello to this learner process
     granted: int = 0  # tickets granted to the current incarnation by this learner
+    # its outstanding tickets by the weights version they were granted on: those granted
+    # on old weights are the groups the learner waits for before a step would make them
+    # stale (learner/service.py collect)
+    ticket_versions: Counter = field(default_factory=Counter)
     used: int = 0  # of those, groups received
     orphaned: int = 0  # groups in flight whose tickets were released while it was silent
     bye: bool = False
@@ -69,16 +73,25 @@ class ActorLedger:
         """Tickets of the current incarnation whose groups have not arrived."""
         return max(self.granted - self.used, 0)
 
+    def grant(self, n: int, version: int) -> None:
+        """``n`` tickets granted on weights ``version``."""
+        self.granted += n
+        if n > 0:
+            self.ticket_versions[version] += n
+
     def void_tickets(self) -> int:
         """Forget the current incarnation's outstanding tickets; how many there were
         (the caller releases them from admission)."""
         outstanding = self.outstanding()
         self.granted = self.used = 0
+        self.ticket_versions.clear()
         return outstanding
 
-    def take_ticket(self, pid: int) -> bool:
+    def take_ticket(self, pid: int, ticket_version: int | None = None) -> bool:
         """Whether a group just received from incarnation ``pid`` used a ticket still
-        counted by admission (see the module docstring)."""
+        counted by admission (see the module docstring). ``ticket_version``: the weights
+        version the actor asked for that ticket on (its group's stats), which says which
+        outstanding ticket it was; the oldest when unknown."""
         if pid != self.pid:  # an earlier incarnation: released at its successor's Hello
             return False
         if self.orphaned > 0:
@@ -86,8 +99,18 @@ class ActorLedger:
             return False
         if self.used < self.granted:
             self.used += 1
+            held = self.ticket_versions
+            if held:
+                key = ticket_version if held.get(ticket_version, 0) > 0 else min(held)
+                held[key] -= 1
+                if held[key] <= 0:
+                    del held[key]
             return True
         return False
+
+    def at_risk(self, bound: int) -> int:
+        """Outstanding tickets granted on weights ``bound`` or older."""
+        return sum(n for v, n in self.ticket_versions.items() if v <= bound)
 
     def to_state(self) -> dict:
         return {"pid": self.pid, "received_total": self.received_total,
@@ -157,15 +180,21 @@ class Ledger:
         led.sent_by_pid[peer_count(stats.get("pid"), led.pid)] = peer_count(groups_sent, 0)
 
     # ------------------------------------------------------------- groups
-    def receive(self, actor_id: int, pid_stat) -> bool:
-        """A checked group arrived (``pid_stat``: its ``stats["pid"]``); whether it used a
-        ticket still counted by admission. The caller then records it as trained (after
-        the step) or dropped."""
+    def receive(self, actor_id: int, pid_stat, ticket_version_stat=None) -> bool:
+        """A checked group arrived (``pid_stat``, ``ticket_version_stat``: its
+        ``stats["pid"]`` and ``stats["ticket_version"]``); whether it used a ticket still
+        counted by admission. The caller then records it as trained (after the step) or
+        dropped."""
         led = self.actor(actor_id)
         led.received_total += 1
         pid = peer_count(pid_stat, led.pid)
         led.received_by_pid[pid] = led.received_by_pid.get(pid, 0) + 1
-        return led.take_ticket(pid)
+        return led.take_ticket(pid, peer_count(ticket_version_stat, -1))
+
+    def at_risk(self, bound: int) -> int:
+        """Outstanding tickets, over every actor, granted on weights ``bound`` or older:
+        groups that a step past ``bound + eta`` would make stale before they arrive."""
+        return sum(led.at_risk(bound) for led in self.actors.values())
 
     def drop(self, actor_id: int, reason: str) -> None:
         if not reason:

@@ -17,6 +17,12 @@ Faults it survives:
 - a silent actor (stopped, or dead and not yet restarted) for ``learner.actor_silent_s``:
   its tickets are released ("actor_silent") so the others keep the learner busy; its late
   groups are dropped as stale and counted, without releasing capacity again.
+- a straggler (a long trajectory, a slow tool): groups finish out of order, so before a
+  step that would make a group still generating too old to train (its ticket granted on
+  weights ``max_staleness`` versions behind), ``collect`` waits for it, up to
+  ``learner.straggler_wait_s``, and trains the oldest groups first; admission bounds such
+  groups to one batch. Groups beyond the batch wait for the next step, never trained
+  older than the bound.
 - a lost connection: an actor whose requests timed out says Hello again once it hears
   from us; its outstanding tickets are released then, since a retried ticket request
   may have been granted twice (the grant for the timed-out one is never used).
@@ -34,6 +40,7 @@ import math
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 
 import numpy as np
 import zmq
@@ -46,6 +53,7 @@ from arpo_async.core.transport.trajectory import TrajectoryReceiver
 from learner.advantages import check_tree
 from learner.config_server import ConfigServer
 from learner.ledger import Ledger
+from learner.tokens import TokenLedger
 from learner.weights import build_weight_senders
 
 log = logging.getLogger("learner.service")
@@ -105,6 +113,15 @@ def may_stop(now: float, last_group: float, byes_at: float | None, byes: bool,
         now - max(last_group, byes_at) > _SHUTDOWN_QUIET_S
 
 
+@dataclass
+class _Held:
+    """An arrived group not yet trained; ``ticketed``: it holds admission capacity (a
+    ticket, or a slot it was adopted into), released if it is dropped."""
+
+    group: P.TrajectoryGroup
+    ticketed: bool
+
+
 class LearnerService:
     def __init__(self, cfg: Config, keys=None, vocab_size: int | None = None,
                  max_tokens: int | None = None, resume: dict | None = None):
@@ -130,6 +147,9 @@ class LearnerService:
         self.invalid: Counter = Counter()  # groups that decoded but cannot be trained on
         self.events: Counter = Counter()  # untracked groups, expired tickets, restarts...
         self.wait_s = 0.0  # time spent waiting for trajectories
+        self.straggler_wait_s = 0.0  # of that, with a batch ready, waiting for stragglers
+        self.held: list[_Held] = []  # arrived, admissible, not trained yet
+        self.tokens = TokenLedger()
         self.not_back: list[dict] = []  # after shutdown: actors that never said Bye
         # No tickets until every actor said hello (or the wait ran out), so that one
         # fast-starting actor does not generate a short run's whole first batches.
@@ -211,27 +231,50 @@ class LearnerService:
         want = max(0, min(msg.n, share - led.outstanding()))
         if want == 0:
             return P.TicketGrant(0, self.published, reason=P.GrantReason.FAIR_SHARE)
+        # no group past the last step's: it would only be generated to be dropped at the
+        # end ("shutdown"); a released ticket (dropped, lost) opens its place again
+        left = self.cfg.learner.max_steps * self.cfg.learner.batch_groups - self.admission.started
+        if left <= 0:
+            return P.TicketGrant(0, self.published, reason=P.GrantReason.RUN_FULL)
+        want = min(want, left)
         granted, reason = self.admission.grant(want, self.version, msg.version)
-        led.granted += granted
+        led.grant(granted, min(msg.version, self.version))
         return P.TicketGrant(granted, self.published, reason=reason)
 
     # ---------------------------------------------------------------- main thread
-    def _accept(self, group: P.TrajectoryGroup) -> bool:
+    def _accept(self, group: P.TrajectoryGroup) -> None:
+        """A group that arrived: checked, counted, and held for training or dropped."""
         reason = check_group(group, self.vocab_size, self.max_tokens, self.max_leaves)
         with self.lock:
             if reason:
                 self.invalid[reason] += 1
-                return False
-            ticketed = self.ledger.receive(group.actor_id, group.stats.get("pid"))
-            keep, why = self.filter.check(self.version, group.min_version())
-            if not keep:
-                self.ledger.drop(group.actor_id, why)
-                if ticketed:
-                    self.admission.release(1, why)
-            elif not ticketed:  # trained without a counted ticket: it takes a slot
-                self.events["untracked"] += 1
-                self.admission.adopt(1)
-            return keep
+                return
+            ticketed = self.ledger.receive(group.actor_id, group.stats.get("pid"),
+                                           group.stats.get("ticket_version"))
+            self.tokens.receive(group)
+            if not ticketed and not self.filter.reason(self.version, group.min_version()):
+                self.events["untracked"] += 1  # trained without a counted ticket: it takes
+                self.admission.adopt(1)  # a slot (released like a ticket if dropped)
+                ticketed = True
+            self.held.append(_Held(group, ticketed))
+            self._drop_too_old()
+
+    def _drop_too_old(self) -> None:
+        """Drop the held groups that can no longer be trained at this version (lock held)."""
+        keep = []
+        for h in self.held:
+            if self.filter.reason(self.version, h.group.min_version()):
+                _, why = self.filter.check(self.version, h.group.min_version())  # counts it
+                self._drop(h, why)
+            else:
+                keep.append(h)
+        self.held = keep
+
+    def _drop(self, h: _Held, why: str) -> None:
+        self.ledger.drop(h.group.actor_id, why)
+        self.tokens.drop(h.group, why)
+        if h.ticketed:
+            self.admission.release(1, why)
 
     def expire_silent(self, now: float | None = None) -> int:
         """Release the tickets of actors silent for ``learner.actor_silent_s``."""
@@ -258,29 +301,58 @@ class LearnerService:
 
     def collect(self, n: int, timeout_s: float,
                 should_stop=lambda: False) -> list[P.TrajectoryGroup]:
-        """Block until ``n`` admissible groups arrived; stale ones are dropped and counted."""
-        groups: list[P.TrajectoryGroup] = []
+        """The next ``n`` groups to train, oldest first (fewer when ``should_stop``).
+
+        Waits until ``n`` admissible groups are held, and then, for at most
+        ``learner.straggler_wait_s``, until no group whose ticket was granted on weights
+        ``max_staleness`` versions behind is still out: this step would make it too old to
+        train. Groups too old are dropped and counted; those not taken wait for the next
+        step. Raises TimeoutError when no group arrives for ``timeout_s`` while fewer than
+        ``n`` are held."""
+        eta = self.cfg.learner.max_staleness
         t0 = time.perf_counter()
         last = time.monotonic()
-        while len(groups) < n:
+        ready_at = None
+        with self.lock:
+            self._drop_too_old()  # the version moved on since the last step
+        while True:
+            with self.lock:
+                ready = len(self.held) >= n
+                out = self.ledger.at_risk(self.version - eta) if ready else 0
+            if ready:
+                ready_at = time.monotonic() if ready_at is None else ready_at
+                if out == 0:
+                    break
+                limit = self.cfg.learner.straggler_wait_s
+                if time.monotonic() - ready_at >= limit:
+                    if limit > 0:  # 0: never waits, nothing expired
+                        self.events["straggler_wait_expired"] += 1
+                    break
             group = self._recv(0.5)
             if group is None:
                 self.expire_silent()
                 if should_stop():
                     break
-                if time.monotonic() - last > timeout_s:
+                if not ready and time.monotonic() - last > timeout_s:
                     raise TimeoutError(f"no trajectory for {timeout_s:.0f} s "
                                        f"(actors alive: {self.actors_alive()})")
                 continue
             last = time.monotonic()
-            if self._accept(group):
-                groups.append(group)
+            self._accept(group)
+        if ready_at is not None:
+            self.straggler_wait_s += time.monotonic() - ready_at
+        with self.lock:
+            self.held.sort(key=lambda h: h.group.min_version())  # stable: arrival order next
+            take, self.held = self.held[:n], self.held[n:]
+            for h in take:  # the last check, at the version they train on: always passes
+                self.filter.check(self.version, h.group.min_version())
         self.wait_s += time.perf_counter() - t0
-        return groups
+        return [h.group for h in take]
 
     def mark_trained(self, groups: list[P.TrajectoryGroup]) -> None:
         with self.lock:
             self.ledger.mark_trained(g.actor_id for g in groups)
+            self.tokens.train(groups)
             self.version += 1
 
     def publish(self, version: int, tensors) -> None:
@@ -332,6 +404,8 @@ class LearnerService:
                                 if k in ("requests", "dropped_replies")},
                     "weights": {s.channel: s.stats() for s in self.weights},
                     "admission": self.admission.counters(), "staleness": self.filter.stats(),
+                    "tokens": self.tokens.figures(), "held": len(self.held),
+                    "straggler_wait_s": self.straggler_wait_s,
                     "incarnations": self.ledger.incarnations(), **stats}
 
     def _byes_pending_from_live_actors(self) -> bool:
@@ -346,6 +420,9 @@ class LearnerService:
         from: one finishing a long group says Bye late but says it."""
         with self.lock:
             self.stopping = True
+            for h in self.held:  # arrived, never trained: the run ended first
+                self._drop(h, "shutdown")
+            self.held = []
         t0 = time.monotonic()
         quiet_since, byes_at = t0, None
         while time.monotonic() - t0 < _SHUTDOWN_MAX_S:
@@ -359,8 +436,11 @@ class LearnerService:
                     if reason:
                         self.invalid[reason] += 1
                         continue
-                    self.ledger.receive(group.actor_id, group.stats.get("pid"))
+                    self.ledger.receive(group.actor_id, group.stats.get("pid"),
+                                        group.stats.get("ticket_version"))
                     self.ledger.drop(group.actor_id, "shutdown")
+                    self.tokens.receive(group)
+                    self.tokens.drop(group, "shutdown")
                 continue
             with self.lock:
                 byes, done = self.ledger.drained()

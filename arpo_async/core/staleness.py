@@ -16,8 +16,12 @@ s < (eta + a + 1) * B. The grant is therefore
 
 reason "capacity" when the learner's bound limits it, "stale_weights" when the actor's
 weights do (it must fetch newer weights first; this always covers a < v - eta). With
-the rule obeyed and groups trained in start order no group ever exceeds lag eta; when
-groups finish out of order a straggler can, and ``StalenessFilter`` drops and counts it.
+the rule obeyed and groups trained in start order no group ever exceeds lag eta. Groups
+finish out of order (the long trajectories last): the learner therefore trains the oldest
+groups it holds first and, before a step that would push a straggler past eta, waits for
+the groups whose tickets were granted on weights eta versions behind
+(learner/service.py ``collect``, up to ``learner.straggler_wait_s``); a group that is still
+too old when it arrives is dropped by ``StalenessFilter`` and counted.
 Groups that were granted but will never be trained (dropped as stale, aborted, lost with
 a dead actor) must be ``release``d, else capacity never reopens and the run deadlocks;
 groups trained without a counted ticket are ``adopt``ed, so that ``started`` keeps
@@ -131,18 +135,29 @@ class StalenessFilter:
         self._lag_sum = 0
         self._lag_max = 0
 
+    def reason(self, learner_version: int, min_version: int) -> str:
+        """Why a group could not be trained at ``learner_version`` ("" when it could),
+        counting nothing: the learner asks this of the groups it holds back for a later
+        step, and ``check``s only those it trains or drops."""
+        if min_version < 0:
+            return "no_model_tokens"
+        if min_version > learner_version:
+            return "future_version"
+        if group_lag(learner_version, min_version) > self.max_staleness:
+            return "stale"
+        return ""
+
     def check(self, learner_version: int, min_version: int) -> tuple[bool, str]:
         """(keep, reason): "ok", or the counter key of the drop: "stale" (lag > eta),
         "no_model_tokens" (min_version -1), "future_version" (a token newer than the
         learner: a bookkeeping bug upstream)."""
-        if min_version < 0:
-            return self._drop("no_model_tokens")
-        if min_version > learner_version:
-            return self._drop("future_version")
+        why = self.reason(learner_version, min_version)
+        if why in ("no_model_tokens", "future_version"):
+            return self._drop(why)
         lag = group_lag(learner_version, min_version)
         self._hist[lag] += 1
-        if lag > self.max_staleness:
-            return self._drop("stale")
+        if why:
+            return self._drop(why)
         self._count["accepted"] += 1
         self._lag_sum += lag
         self._lag_max = max(self._lag_max, lag)

@@ -49,6 +49,7 @@ class Progress:
             "reward": f"{row['reward_mean']:+.3f}", "accuracy": f"{row.get('score_mean', 0):.3f}",
             "tokens/s per actor": " ".join(f"{v:.0f}" for v in actor_tps) or "-",
             "staleness max": str(row["staleness_max"]), "dropped stale": str(row["dropped_stale"]),
+            "token yield": _token_yield(svc.get("tokens")),
             "actors alive": str(row["actors_alive"]), "learner wait": f"{row['wait_s']:.2f}s",
             "fork rate": _fork_rate(row),
             "tool calls": str(row.get("tool_calls", 0)),
@@ -96,3 +97,12 @@ def _fork_rate(row: dict) -> str:
     if not decisions:
         return "-"
     return f"{row.get('branch/forks', 0) / decisions:.2f} (P {row.get('branch/p_mean', 0):.2f})"
+
+
+def _token_yield(tokens) -> str:
+    """Model tokens trained / received, and the KS distance of trained vs received group
+    lengths over the last steps (learner/tokens.py)."""
+    if not isinstance(tokens, dict) or not tokens.get("received"):
+        return "-"
+    ks = next((v for k, v in tokens.items() if k.startswith("ks_last")), 0.0)
+    return f"{tokens['yield']:.3f} (KS {ks:.2f})"

@@ -401,6 +401,9 @@ def run_summary(cfg: Config, roles: list[Role], status: str, reason: str, wall: 
         "restarts": {r.name: r.restarts for r in roles},
         "adopted": [r.name for r in roles if any(h["event"] == "adopt" for h in r.history)],
         "ledger": learner.get("ledger", {}), "learner": learner.get("service", {}),
+        # model tokens received, trained, dropped by reason; KS of trained vs received
+        # group lengths (learner/tokens.py)
+        "tokens": learner.get("service", {}).get("tokens", {}),
         # actors that never said Bye, e.g. on a host that vanished (learner/ledger.py)
         "actors_not_back": learner.get("actors_not_back", []),
     }

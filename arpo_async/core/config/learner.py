@@ -54,6 +54,12 @@ class LearnerConfig(_Section):
         "alive and its tickets are released"
     )
     wait_timeout_s: float = Field(600.0, description="fail if no trajectory arrives for this long")
+    straggler_wait_s: float = Field(
+        300.0, ge=0, description="with a batch ready, how long at most a step waits for the "
+        "groups it would make stale: those whose tickets were granted on weights max_staleness "
+        "versions behind, still generating (the long trajectories). They are trained first "
+        "when they arrive; a group that has not arrived by then is dropped as stale on "
+        "arrival, as with 0 (never wait)")
     weight_sync: Literal["zmq", "nccl"] = Field(
         "zmq", description="weights to actors: ZeroMQ copies (any host), or NCCL broadcast to "
         "vLLM GPU actors on the learner's node (others still use ZeroMQ)")

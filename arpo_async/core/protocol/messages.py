@@ -39,6 +39,9 @@ class GrantReason(str, Enum):
     WAITING_FOR_ACTORS = "waiting_for_actors"  # the start gate waits for the other actors
     FAIR_SHARE = "fair_share"  # this actor holds its share of the staleness window
     STOPPING = "stopping"  # the run is over (``stop`` is set too)
+    # every group the run will train (learner.max_steps * batch_groups) has started; the
+    # rest of the run needs none: ask again later, or wait for the stop
+    RUN_FULL = "run_full"
 
     @classmethod
     def of(cls, value: str) -> GrantReason | None:

@@ -1,0 +1,168 @@
+"""A straggler is trained, not dropped (learner/service.py ``collect``): before a step that
+would make a group still generating too old, the learner waits for it and trains the
+oldest groups first. The arrivals are scripted (the service's receive is replaced), so
+the straggler is forced: actor 0 holds two tickets granted on weights 0 while actor 1
+delivers four groups and the learner would move to version 2."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from arpo_async.core import protocol as P
+from arpo_async.core.config import config_from_dict
+from learner.service import LearnerService
+from learner.tokens import ks_distance
+
+
+def _group(actor: int, version: int, n_tokens: int, pid: int) -> P.TrajectoryGroup:
+    leaf = P.Trajectory(tokens=np.arange(10, 10 + n_tokens, dtype=np.int32),
+                        loss_mask=np.ones(n_tokens, np.uint8),
+                        logprobs=np.full(n_tokens, -0.5, np.float32),
+                        versions=np.full(n_tokens, version, np.int32))
+    return P.TrajectoryGroup(f"g{actor}-{version}-{n_tokens}", actor, "p",
+                             np.arange(1, 5, dtype=np.int32), [leaf],
+                             stats={"pid": float(pid), "ticket_version": float(version)})
+
+
+@pytest.fixture
+def make_service(tmp_path):
+    made = []
+
+    def make(straggler_wait_s: float) -> LearnerService:
+        cfg = config_from_dict({"run": {"dir": str(tmp_path / str(len(made)))},
+                                "actors": {"num": 2},
+                                "learner": {"batch_groups": 2, "max_staleness": 1,
+                                            "straggler_wait_s": straggler_wait_s}})
+        svc = LearnerService(cfg, vocab_size=4096)
+        made.append(svc)
+        for actor in (0, 1):
+            assert svc._handle(P.Hello(actor, pid=100 + actor), b"").ok
+        return svc
+
+    yield make
+    for svc in made:
+        svc.control.stop()
+        svc.receiver.close()
+
+
+def _script(svc: LearnerService, arrivals: list) -> None:
+    """Replace the socket: each receive takes the next item (None: a poll that timed out)."""
+    queue = list(arrivals)
+    svc._recv = lambda timeout_s: queue.pop(0) if queue else None
+
+
+def _tickets(svc: LearnerService, actor: int, version: int, n: int) -> int:
+    return svc._handle(P.TicketRequest(actor, version, n), b"").granted
+
+
+def _run(svc: LearnerService) -> list[list[str]]:
+    """Three steps; the straggler's two long groups arrive last, after four polls."""
+    assert _tickets(svc, 0, 0, 2) == 2 and _tickets(svc, 1, 0, 2) == 2
+    straggler = [_group(0, 0, 40, 100), _group(0, 0, 50, 100)]
+    _script(svc, [_group(1, 0, 5, 101), _group(1, 0, 6, 101)])
+    steps = [svc.collect(2, timeout_s=5)]
+    svc.mark_trained(steps[-1])  # version 1
+    assert _tickets(svc, 1, 1, 2) == 2
+    _script(svc, [_group(1, 1, 7, 101), _group(1, 1, 8, 101), None, None, None, None,
+                  *straggler])
+    steps.append(svc.collect(2, timeout_s=5))
+    svc.mark_trained(steps[-1])  # version 2
+    _script(svc, straggler if svc.cfg.learner.straggler_wait_s == 0 else [])
+    steps.append(svc.collect(2, timeout_s=5, should_stop=lambda: True))
+    svc.mark_trained(steps[-1])
+    return [[g.group_id for g in groups] for groups in steps]
+
+
+def test_the_straggler_is_waited_for_and_trained_first(make_service):
+    svc = make_service(straggler_wait_s=60)
+    steps = _run(svc)
+    assert steps == [["g1-0-5", "g1-0-6"], ["g0-0-40", "g0-0-50"], ["g1-1-7", "g1-1-8"]]
+    snap = svc.snapshot()
+    assert snap["dropped"] == {} and snap["staleness"]["lag_max"] == 1
+    assert snap["staleness"]["lag_hist"] == {0: 2, 1: 4}  # at the version each trained on
+    tokens = snap["tokens"]
+    assert tokens["received"] == tokens["trained"] == 5 + 6 + 40 + 50 + 7 + 8
+    assert tokens["yield"] == 1.0 and tokens["ks_run"] == 0.0
+    assert snap["straggler_wait_s"] > 0
+    assert svc.ledger.at_risk(10) == 0 and snap["admission"]["started"] == 6
+
+
+def test_without_the_wait_the_long_groups_are_dropped_and_the_bias_shows(make_service):
+    svc = make_service(straggler_wait_s=0)  # the old behaviour
+    steps = _run(svc)
+    assert steps == [["g1-0-5", "g1-0-6"], ["g1-1-7", "g1-1-8"], []]
+    snap = svc.snapshot()
+    assert snap["dropped"] == {"stale": 2}
+    tokens = snap["tokens"]
+    assert tokens["trained"] == 5 + 6 + 7 + 8 and tokens["dropped"] == {"stale": 90}
+    assert tokens["yield"] == pytest.approx(26 / 116)
+    assert tokens["ks_run"] == pytest.approx(ks_distance([5, 6, 7, 8, 40, 50], [5, 6, 7, 8]))
+    assert tokens["ks_run"] == pytest.approx(1 / 3)
+
+
+def test_a_straggler_that_never_comes_costs_at_most_the_wait(make_service):
+    svc = make_service(straggler_wait_s=0.3)
+    assert _tickets(svc, 0, 0, 2) == 2 and _tickets(svc, 1, 0, 2) == 2
+    _script(svc, [_group(1, 0, 5, 101), _group(1, 0, 6, 101)])
+    svc.mark_trained(svc.collect(2, timeout_s=5))
+    assert _tickets(svc, 1, 1, 2) == 2
+    _script(svc, [_group(1, 1, 7, 101), _group(1, 1, 8, 101)])
+    assert [g.group_id for g in svc.collect(2, timeout_s=5)] == ["g1-1-7", "g1-1-8"]
+    assert svc.events["straggler_wait_expired"] == 1
+    assert 0.3 <= svc.straggler_wait_s < 5
+
+
+def test_groups_held_past_the_end_are_dropped_as_shutdown(make_service):
+    svc = make_service(straggler_wait_s=60)
+    assert _tickets(svc, 1, 0, 2) == 2
+    for group in (_group(1, 0, 5, 101), _group(1, 0, 6, 101)):
+        svc._accept(group)  # both arrived
+    _script(svc, [])
+    assert len(svc.collect(1, timeout_s=5)) == 1
+    for led in svc.ledger.actors.values():
+        led.last_seen = 0.0  # long silent: the shutdown waits for no Bye
+    svc.shutdown(wait_s=0)
+    snap = svc.snapshot()
+    assert snap["tokens"]["dropped"] == {"shutdown": 6}
+    assert svc.ledger.summary()[1]["dropped"] == {"shutdown": 1}
+
+
+@pytest.mark.parametrize("a, b, expected", [
+    ([1, 2, 3], [1, 2, 3], 0.0), ([1, 2], [3, 4], 1.0), ([1, 2, 3, 4], [3, 4], 0.5),
+    ([], [1], 0.0)])
+def test_ks_distance_by_hand(a, b, expected):
+    assert ks_distance(a, b) == pytest.approx(expected)
+
+
+def test_a_group_gives_back_the_ticket_it_names_else_the_oldest():
+    from learner.ledger import Ledger
+
+    led = Ledger()
+    led.hello(0, pid=7, version=0)
+    led.actor(0).grant(2, 0)
+    led.actor(0).grant(1, 3)
+    assert led.at_risk(0) == 2 and led.at_risk(3) == 3
+    assert led.receive(0, 7.0, 3.0)  # its ticket was granted on weights 3
+    assert led.at_risk(0) == 2 and led.at_risk(3) == 2
+    assert led.receive(0, 7.0, float("nan"))  # unknown (a peer's garbage): the oldest
+    assert dict(led.actor(0).ticket_versions) == {0: 1}
+    assert led.hello(0, pid=8, version=3) == ("restart", 1)  # void: none at risk
+    assert led.at_risk(10) == 0
+
+
+def test_no_ticket_past_the_last_steps_groups(tmp_path):
+    cfg = config_from_dict({"run": {"dir": str(tmp_path)}, "actors": {"num": 1},
+                            "learner": {"batch_groups": 2, "max_steps": 1}})
+    svc = LearnerService(cfg, vocab_size=4096)
+    try:
+        assert svc._handle(P.Hello(0, pid=5), b"").ok
+        grant = svc._handle(P.TicketRequest(0, 0, 3), b"")
+        assert grant.granted == 2
+        grant = svc._handle(P.TicketRequest(0, 0, 1), b"")
+        assert (grant.granted, grant.reason) == (0, P.GrantReason.RUN_FULL)
+        svc.admission.release(1, "stale")  # a dropped group's place opens again
+        assert svc._handle(P.TicketRequest(0, 0, 1), b"").granted == 1
+    finally:
+        svc.control.stop()
+        svc.receiver.close()
