@@ -26,9 +26,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 HELDOUT = 12
 SMALL = ["pipeline.suite_entities=60", "pipeline.suite_sft=48", "pipeline.suite_rl=40",
          f"pipeline.suite_heldout={HELDOUT}", "pipeline.sft_time_s=0",
-         # with tags as text (several tokens each), 60 steps gave 0.07 tool calls per
-         # held-out sample (k=8), 120 steps 0.96: tool use after SFT, not by luck
-         "pipeline.sft_steps=120",
+         # with tags as text (several tokens each), 60 steps of 16 traces gave 0.07 tool
+         # calls per held-out sample (k=8), 120 steps 0.96; 120 steps of 8 traces (half
+         # the SFT time) 0.5 at k=1: tool use after SFT, not by luck
+         "pipeline.sft_steps=120", "pipeline.sft_batch_size=8",
          "pipeline.eval_k=1", "pipeline.eval_limit=0", "pipeline.eval_engine=transformers",
          "actors.num=1", "learner.max_steps=3",
          "run.time_limit_s=0", "learner.checkpoint_every=2", "learner.batch_groups=1",
