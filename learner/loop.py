@@ -143,7 +143,8 @@ class LearnerLoop:
             t0 = time.perf_counter()
             batch = self.collect()
             if batch is None:
-                log.info("time limit or tool-call budget reached after %d steps", self.step)
+                log.info("time limit or tool-call budget reached; the groups out were trained: "
+                         "%d steps", self.step)
                 break
             part, groups, stats = batch
             wait_s = time.perf_counter() - t0
@@ -169,8 +170,9 @@ class LearnerLoop:
         parts, stats, groups = None, {}, []
         if self.rank == 0:
             lc = self.cfg.learner
-            groups = [] if self.time_up() else self.service.collect(
-                lc.batch_groups, lc.wait_timeout_s, self.time_up)
+            # the time limit or tool-call budget closes admission; the groups out are
+            # still trained, then collect returns none and the run ends
+            groups = self.service.collect(lc.batch_groups, lc.wait_timeout_s, self.time_up)
             if groups:
                 samples, stats = samples_from_groups(groups, lc.loss.advantage)
                 # mini-batches first, then ranks: every optimizer step trains on groups

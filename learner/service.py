@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import threading
 import time
 from collections import Counter
@@ -143,6 +144,8 @@ class LearnerService:
         self.version = 0  # learner version: optimizer steps taken
         self.published = -1  # newest version actors can fetch
         self.stopping = False
+        self.closing = False  # the run's end is reached: no new groups (close_admission)
+        self.closed_at = 0.0
         self.ledger = Ledger()
         self.invalid: Counter = Counter()  # groups that decoded but cannot be trained on
         self.events: Counter = Counter()  # untracked groups, expired tickets, restarts...
@@ -210,7 +213,7 @@ class LearnerService:
     def _ticket(self, msg: P.TicketRequest) -> P.TicketGrant:
         led = self.ledger.actor(msg.actor_id)
         led.last_seen, led.version = time.time(), msg.version
-        if self.stopping:
+        if self.stopping or self.closing:
             return P.TicketGrant(0, self.published, stop=True, reason=P.GrantReason.STOPPING)
         if not led.hello:
             return P.TicketGrant(0, self.published, reason=P.GrantReason.HELLO_REQUIRED)
@@ -301,39 +304,49 @@ class LearnerService:
 
     def collect(self, n: int, timeout_s: float,
                 should_stop=lambda: False) -> list[P.TrajectoryGroup]:
-        """The next ``n`` groups to train, oldest first (fewer when ``should_stop``).
+        """The next ``n`` groups to train, oldest first.
 
         Waits until ``n`` admissible groups are held, and then, for at most
         ``learner.straggler_wait_s``, until no group whose ticket was granted on weights
         ``max_staleness`` versions behind is still out: this step would make it too old to
         train. Groups too old are dropped and counted; those not taken wait for the next
         step. Raises TimeoutError when no group arrives for ``timeout_s`` while fewer than
-        ``n`` are held."""
+        ``n`` are held.
+
+        ``should_stop`` (the time limit, the tool-call budget) closes admission: no group
+        starts after it, and the groups already out are still collected and trained, up
+        to ``n`` a step, until none is left (then []), waiting for them at most
+        ``learner.straggler_wait_s``: what was generated is not thrown away at the end."""
         eta = self.cfg.learner.max_staleness
+        limit = self.cfg.learner.straggler_wait_s
         t0 = time.perf_counter()
         last = time.monotonic()
         ready_at = None
         with self.lock:
             self._drop_too_old()  # the version moved on since the last step
         while True:
+            if not self.closing and should_stop():
+                self.close_admission()
             with self.lock:
-                ready = len(self.held) >= n
-                out = self.ledger.at_risk(self.version - eta) if ready else 0
+                held, closing = len(self.held), self.closing
+                out = self.ledger.at_risk(sys.maxsize)  # every ticket whose group is out
+                risk = self.ledger.at_risk(self.version - eta)
+            ready = held >= n or (closing and out == 0)
             if ready:
                 ready_at = time.monotonic() if ready_at is None else ready_at
-                if out == 0:
+                if risk == 0:
                     break
-                limit = self.cfg.learner.straggler_wait_s
                 if time.monotonic() - ready_at >= limit:
                     if limit > 0:  # 0: never waits, nothing expired
                         self.events["straggler_wait_expired"] += 1
                     break
+            elif closing and time.monotonic() - self.closed_at >= limit:
+                self.events["closing_wait_expired"] += 1  # train what is held, drop the rest
+                break
             group = self._recv(0.5)
             if group is None:
                 self.expire_silent()
-                if should_stop():
-                    break
-                if not ready and time.monotonic() - last > timeout_s:
+                if not ready and not closing and time.monotonic() - last > timeout_s:
                     raise TimeoutError(f"no trajectory for {timeout_s:.0f} s "
                                        f"(actors alive: {self.actors_alive()})")
                 continue
@@ -348,6 +361,15 @@ class LearnerService:
                 self.filter.check(self.version, h.group.min_version())
         self.wait_s += time.perf_counter() - t0
         return [h.group for h in take]
+
+    def close_admission(self) -> None:
+        """No group starts from now on (ticket requests are answered ``stop``); the groups
+        out still arrive and are trained (``collect``)."""
+        with self.lock:
+            self.closing, self.closed_at = True, time.monotonic()
+            held, out = len(self.held), self.ledger.at_risk(sys.maxsize)
+        log.info("the run's end: no new groups; training the %d groups held and the %d "
+                 "still out", held, out)
 
     def mark_trained(self, groups: list[P.TrajectoryGroup]) -> None:
         with self.lock:

@@ -68,7 +68,10 @@ def _run(svc: LearnerService) -> list[list[str]]:
                   *straggler])
     steps.append(svc.collect(2, timeout_s=5))
     svc.mark_trained(steps[-1])  # version 2
-    _script(svc, straggler if svc.cfg.learner.straggler_wait_s == 0 else [])
+    if svc.cfg.learner.straggler_wait_s == 0:
+        for group in straggler:  # they arrive now, too old
+            svc._accept(group)
+    _script(svc, [])
     steps.append(svc.collect(2, timeout_s=5, should_stop=lambda: True))
     svc.mark_trained(steps[-1])
     return [[g.group_id for g in groups] for groups in steps]
@@ -166,3 +169,31 @@ def test_no_ticket_past_the_last_steps_groups(tmp_path):
     finally:
         svc.control.stop()
         svc.receiver.close()
+
+
+def test_at_the_time_limit_the_groups_out_are_trained_not_dropped(make_service):
+    """The time limit closes admission (tickets are answered stop) and the groups still
+    out arrive and are trained; then collect returns none and the run ends."""
+    svc = make_service(straggler_wait_s=60)
+    assert _tickets(svc, 0, 0, 2) == 2 and _tickets(svc, 1, 0, 2) == 2
+    _script(svc, [_group(1, 0, 5, 101), _group(1, 0, 6, 101)])
+    svc.mark_trained(svc.collect(2, timeout_s=5))
+    time_up = lambda: True  # noqa: E731
+    _script(svc, [None, None, _group(0, 0, 40, 100), None, _group(0, 0, 50, 100)])
+    last = svc.collect(2, timeout_s=5, should_stop=time_up)
+    assert [g.group_id for g in last] == ["g0-0-40", "g0-0-50"] and svc.closing
+    grant = svc._handle(P.TicketRequest(1, 1, 1), b"")
+    assert grant.stop and grant.granted == 0
+    svc.mark_trained(last)
+    assert svc.collect(2, timeout_s=5, should_stop=time_up) == []
+    tokens = svc.snapshot()["tokens"]
+    assert tokens["trained"] == tokens["received"] == 101 and tokens["dropped"] == {}
+
+
+def test_groups_that_never_come_at_the_end_cost_at_most_the_wait(make_service):
+    svc = make_service(straggler_wait_s=0.3)
+    assert _tickets(svc, 0, 0, 2) == 2 and _tickets(svc, 1, 0, 1) == 1
+    _script(svc, [_group(1, 0, 5, 101)])
+    got = svc.collect(2, timeout_s=5, should_stop=lambda: True)
+    assert [g.group_id for g in got] == ["g1-0-5"]
+    assert svc.events["closing_wait_expired"] == 1

@@ -16,7 +16,8 @@ class RunConfig(_Section):
     dir: str = Field("runs/default", description="run folder: config.yaml, metrics, checkpoints")
     seed: int = Field(0, description="seed for every generator in the run")
     time_limit_s: float = Field(
-        0.0, description="stop the RL stage after this many seconds (0: none)")
+        0.0, description="stop the RL stage after this many seconds (0: none): no group "
+        "starts after it, and the groups already out are trained first (a few steps more)")
     time_limit_from: Literal["start", "first_step"] = Field(
         "start", description="when run.time_limit_s starts counting: at the learner's start, or "
         "once this learner's first step is done (start-up, whose length depends on the "
