@@ -25,8 +25,9 @@ SILENT_S = 4  # learner.actor_silent_s of the kill+stall run
 # here; actor 1 alone makes a step in 1-3 s)
 STOP_AT = 8
 # learner.max_steps of the kill+stall run: the stall is over by step ~11, the rest is the
-# recovery (both actors train again)
-MAX_STEPS = 16
+# recovery (both actors train again). No ticket is granted past the run's last groups
+# (GrantReason.RUN_FULL): actor 1, back from its stall, needs steps left to get some
+MAX_STEPS = 20
 # transport.request_timeout_s of the kill+stall run: the stall lasts as long as actor 0's restart.
 # Past the default 30 s, actor 1's requests time out when it resumes and it says Hello
 # again, which voids its tickets another way; request timeouts and reconnects are the

@@ -5,7 +5,7 @@ make that group stale. The learner waits for it before that step and trains it
 (learner/service.py ``collect``). The wait itself shows the situation was forced: the
 learner waits with a batch ready only while a ticket granted on weights max_staleness
 versions behind is out. Without the wait the same group is dropped: the scripted
-version of this run in tests/unit/test_stragglers.py."""
+version of this run in tests/unit/test_straggler_wait.py."""
 
 from __future__ import annotations
 
