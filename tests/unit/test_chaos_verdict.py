@@ -79,6 +79,13 @@ def test_the_gap_bound_adds_up_the_faults_inside_the_gap(tmp_path):
                                     {"time": 9, "kind": "actor_kill"}])
     res = V.check_gap(tmp_path, cfg, startup_s=10)
     assert res["ok"] and res["tightest"]["bound_s"] == 30.5, res
+    # a launcher kill is two start-ups in a row (the launcher's, then its learner's):
+    # 6.5 + 2 + 10 + 10 = 28.5 s; a gap past that is still a hang
+    _rows(tmp_path, [0, 1, 2, 30], [{"time": 3, "kind": "launcher_kill"}])
+    res = V.check_gap(tmp_path, cfg, startup_s=10)
+    assert res["ok"] and res["tightest"]["bound_s"] == 28.5, res
+    _rows(tmp_path, [0, 1, 2, 32], [{"time": 3, "kind": "launcher_kill"}])
+    assert not V.check_gap(tmp_path, cfg, startup_s=10)["ok"]
 
 
 def test_a_fault_injected_before_a_gap_counts_while_it_lasts(tmp_path):
