@@ -1,5 +1,6 @@
 """Nothing generated thrown away (issue 31): the default job's RL stage with and without
-the learner's straggler wait, from one SFT checkpoint.
+the learner's straggler wait, and with the KV cache kept across weight updates, from one
+SFT checkpoint; and the generation pause and context prefilled again per update.
 
 Each arm is the RL stage of the default job (configs/default.yaml: two vLLM actors, the
 DeepSpeed learner, sandboxed Python, the BM25 retriever) for ``--steps`` learner steps on
@@ -9,20 +10,26 @@ the same SFT model, followed by its held-out evaluation:
   would make a group still out too old to train, the learner waits for it and trains the
   oldest groups first (learner/service.py ``collect``);
 - ``nowait``: ``learner.straggler_wait_s = 0``: groups that arrive past the staleness
-  bound are dropped, as before.
+  bound are dropped, as before;
+- ``keep``: the straggler wait and ``actors.update_mode = keep``: at a weight update the
+  requests in flight are frozen with their KV cache and resumed on it (``wait`` and
+  ``nowait`` interrupt them and prefill their context again).
 
 Per arm, from its summary.json: groups received, dropped as stale and at the end;
 ``dropped_stale_share`` = stale / received; the token ledger (learner/tokens.py): model
 tokens received and trained, ``token_yield`` = trained / received, the KS distance of the
 trained vs received group lengths; the seconds the learner waited for stragglers; the RL
 wall time and mean step time; held-out accuracy before and after RL (pass@1). The last
-line is ``RESULT no_waste dropped_stale_share=<wait arm> token_yield=<wait arm>
-keep_pause_vs_load=n/a recomputed_prefill_per_update=n/a
-target=dropped_stale_share<=0.01,token_yield>=0.98 met|missed``: the two keep-mode
-figures are n/a because ``actors.update_mode=keep`` is not built yet.
+line is ``RESULT no_waste dropped_stale_share=<first arm> token_yield=<first arm>
+keep_pause_vs_load=<x> recomputed_prefill_per_update=<n>
+target=dropped_stale_share<=0.01,token_yield>=0.98 met|missed``. The last two come from
+``--pause-updates`` updates per mode of bench/broadcast.py's pause measurement
+(``pause_per_update``: one vLLM engine, 16 requests of 256 tokens in flight, interrupt and
+keep in turn): keep's generation pause over the load alone, and the context tokens keep
+prefills again per update (interrupt's are printed next to it).
 
-    python bench/no_waste.py --model runs/default/sft [--steps 87] [--arms wait,nowait]
-        [--fresh] [key=value ...]
+    python bench/no_waste.py --model runs/default/sft [--steps 87]
+        [--arms wait,nowait,keep] [--pause-updates 6] [--fresh] [key=value ...]
 
 ``--model`` is a finished default job's SFT folder (``python -m arpo_async.launch`` first).
 An arm whose folder under ``--scratch`` holds a finished summary.json is read back, not run
@@ -40,7 +47,9 @@ from pathlib import Path
 
 from common import REPO, SCRATCH_DIR, write_results
 
-ARMS = {"wait": [], "nowait": ["learner.straggler_wait_s=0"]}
+ARMS = {"wait": ["actors.update_mode=interrupt"],
+        "nowait": ["learner.straggler_wait_s=0", "actors.update_mode=interrupt"],
+        "keep": ["actors.update_mode=keep"]}
 TARGET_STALE, TARGET_YIELD = 0.01, 0.98
 
 
@@ -94,14 +103,40 @@ def figures(summary: dict) -> dict:
         "step_time_s_mean": summary.get("step_time_s_mean"),
         "accuracy_after_sft": summary.get("accuracy_after_sft"),
         "accuracy_after_rl": summary.get("accuracy_after_rl"),
+        "engine": engine_figures(summary),
     }
+
+
+def engine_figures(summary: dict) -> dict:
+    """The actors' engine counters, summed (their last heartbeat or Bye)."""
+    out: dict = {}
+    for led in summary["ledger"].values():
+        for key, value in (led.get("stats") or {}).items():
+            if key.startswith("engine/") and isinstance(value, (int, float)):
+                out[key[7:]] = out.get(key[7:], 0) + value
+    return out
+
+
+def pause_figures(updates: int) -> dict:
+    """bench/broadcast.py's pause measurement, interrupt against keep."""
+    import asyncio
+
+    from broadcast import pause_per_update, print_pauses
+    from common import ensure_tiny
+
+    model = str(ensure_tiny(f"{SCRATCH_DIR}/model_h512_l3", 512, 3))
+    pause = asyncio.run(pause_per_update(model, updates, 256, ("interrupt", "keep")))
+    print_pauses(pause)
+    return pause
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="a finished default job's SFT folder")
     ap.add_argument("--steps", type=int, default=87)
-    ap.add_argument("--arms", default="wait,nowait")
+    ap.add_argument("--arms", default="wait,nowait,keep")
+    ap.add_argument("--pause-updates", type=int, default=6,
+                    help="weight updates per mode for the pause figures (0: skip them)")
     ap.add_argument("--scratch", default=f"{SCRATCH_DIR}/no_waste")
     ap.add_argument("--fresh", action="store_true", help="run finished arms again")
     ap.add_argument("--out", default=None)
@@ -122,14 +157,21 @@ def main() -> int:
         results[arm] = figures(run_arm(arm, model, args.steps, scratch, args.overrides,
                                        args.fresh))
         print(f"[{arm}] " + json.dumps(results[arm]), flush=True)
-    write_results("no_waste", {"model": str(model), "steps": args.steps, "arms": results},
-                  args.out)
-    head = results.get("wait") or next(iter(results.values()))
+    pause = pause_figures(args.pause_updates) if args.pause_updates > 0 else None
+    write_results("no_waste", {"model": str(model), "steps": args.steps, "arms": results,
+                               "pause": pause}, args.out)
+    head = results[arms[0]]
     met = head["dropped_stale_share"] <= TARGET_STALE and \
         (head["token_yield"] or 0) >= TARGET_YIELD
+    keep = (f"keep_pause_vs_load={pause['keep']['pause_vs_load']:.2f} "
+            f"recomputed_prefill_per_update={pause['keep']['median']['recomputed_tokens']:.0f}"
+            if pause else "keep_pause_vs_load=n/a recomputed_prefill_per_update=n/a")
+    if pause:
+        print(f"context prefilled again per update: keep "
+              f"{pause['keep']['median']['recomputed_tokens']:.0f} tokens, interrupt "
+              f"{pause['interrupt']['median']['recomputed_tokens']:.0f}")
     print(f"RESULT no_waste dropped_stale_share={head['dropped_stale_share']:.4f} "
-          f"token_yield={head['token_yield'] or 0:.4f} keep_pause_vs_load=n/a "
-          f"recomputed_prefill_per_update=n/a "
+          f"token_yield={head['token_yield'] or 0:.4f} {keep} "
           f"target=dropped_stale_share<={TARGET_STALE},token_yield>={TARGET_YIELD} "
           f"{'met' if met else 'missed'}")
     return 0

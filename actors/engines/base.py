@@ -12,7 +12,11 @@ boundary, loads, and lets them continue under the new weights. An interrupted ca
 every token it sampled, each with the version and log-prob it was sampled with
 (``GenResult.versions``), and resumes from prompt + those tokens, recomputed under the new
 weights: so its new-version tokens are exactly what the new policy samples from that
-context (no stale KV cache), which is what the learner recomputes.
+context (no stale KV cache), which is what the learner recomputes. ``keep`` (vLLM only)
+freezes the calls in flight with their KV cache, loads, and lets them go on from where
+they stopped: nothing is prefilled again, and the tokens sampled after the load carry the
+new version and the log-probs the engine reported for them (under the new weights over
+KV the old ones computed), which the learner uses as the behaviour policy.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ class GenRequest:
     entropy: bool = False
 
 
-UPDATE_MODES = ("drain", "interrupt")
+UPDATE_MODES = ("drain", "interrupt", "keep")
 
 
 class ContextOverflow(ValueError):
@@ -117,11 +121,14 @@ class WeightGate:
     (sync or async) that makes it return at its next token boundary with what it has;
     ``exclusive(interrupt=True)`` invokes every such callable before it waits, so the wait
     is one decode step, not the longest call. The caller resumes after the update.
+
+    Keep mode: ``exclusive`` holds new calls and does not wait for the calls in flight;
+    the engine freezes them itself (vLLM ``pause_generation(mode="keep")``).
     """
 
-    def __init__(self, mode: str = "drain") -> None:
-        if mode not in UPDATE_MODES:
-            raise ValueError(f"actors.update_mode: {mode!r}, expected one of {UPDATE_MODES}")
+    def __init__(self, mode: str = "drain", modes: tuple[str, ...] = UPDATE_MODES) -> None:
+        if mode not in modes:
+            raise ValueError(f"actors.update_mode: {mode!r}, expected one of {modes}")
         self.mode = mode
         self._in_flight = 0
         self._idle = asyncio.Event()
@@ -177,7 +184,8 @@ class WeightGate:
                         out = stop()
                         if inspect.isawaitable(out):
                             await out
-                await self._idle.wait()
+                if self.mode != "keep":
+                    await self._idle.wait()
                 yield time.perf_counter() - t0
             finally:
                 self._open.set()

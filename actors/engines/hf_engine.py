@@ -73,7 +73,7 @@ class HFEngine:
         if eos is None:
             eos = model.config.eos_token_id
         self._eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        self._gate = WeightGate(update_mode)
+        self._gate = WeightGate(update_mode, ("drain", "interrupt"))  # keep: vLLM only
         self._compute = asyncio.Lock()  # one request on the model at a time
         self.interrupted_calls = 0
         self.last_update: dict[str, float] = {}

@@ -137,7 +137,7 @@ class SimulatedEngine:
         self.sim, self.vocab, self.tools = sim, vocab, list(tools)
         self.seed, self.version, self.max_model_len = seed, version, max_model_len
         self._rng = np.random.default_rng([seed, 7])
-        self._gate = WeightGate(update_mode)
+        self._gate = WeightGate(update_mode, ("drain", "interrupt"))  # keep: vLLM only
         self._expected = expected
         self.tokens_generated = 0
         self.calls = 0

@@ -23,9 +23,8 @@ completing inside the token ``>\n``); they are returned as sampled, each with it
 log-prob, and the text is not used. ``PathStepper`` handles the overhang
 (docs/design.md "Tags as text").
 
-Weights are replaced in place: the tensors go to a safetensors file in /dev/shm and a
-function sent by ``collective_rpc`` makes each worker call ``reload_weights`` on it
-(the model's own ``load_weights`` fails on CPU, whose linear layers are repacked).
+Weight updates (in place, from a file or over NCCL; keep mode): actors/engines/
+vllm_weights.py.
 """
 
 from __future__ import annotations
@@ -46,9 +45,7 @@ from actors.engines.base import (
     GenRequest,
     GenResult,
     WeightGate,
-    check_weight_names,
     checkpoint_shapes,
-    torch_state_dict,
 )
 from actors.engines.reaping import (
     SHUTDOWN_GRACE_S,
@@ -59,7 +56,7 @@ from actors.engines.reaping import (
     reap_adopted,
 )
 from actors.engines.vllm_round import Round, sampling_params
-from actors.weights.nccl import NcclTransferFailed, update_info_from
+from actors.engines.vllm_weights import VLLMWeights, LiveRequest, shm_dir
 
 logger = logging.getLogger(__name__)
 
@@ -98,34 +95,6 @@ def _set_env(cpu_threads: int | None, cpu_bind: str | None, local: bool) -> None
         os.environ["OMP_NUM_THREADS"] = str(cpu_threads)
 
 
-def _reload_from_file(worker: Any, path: str) -> int:
-    """Runs inside each vLLM worker (sent by collective_rpc)."""
-    import safetensors.torch  # safetensors.torch, torch: heavy, not for actors.main --help
-
-    tensors = safetensors.torch.load_file(path)
-    worker.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
-    _retie_embeddings(worker)
-    return len(tensors)
-
-
-def _retie_embeddings(worker: Any) -> None:
-    """Runs inside each vLLM worker after an in-place weight load (file or NCCL)."""
-    model = worker.model_runner.get_model()
-    if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
-        # vLLM ties lm_head.weight to the embedding's Parameter; the in-place reload gives
-        # the embedding a new Parameter and puts the old one back under lm_head (warning
-        # "ParallelLMHead: Failed to load weights"), so logits used stale weights. Re-tie,
-        # and rebuild the CPU GEMM handle that captured the old weight.
-        head = getattr(model, "lm_head", None)
-        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-        if head is None or embed is None:
-            raise RuntimeError(f"{type(model).__name__}: tied embeddings, but no "
-                               "lm_head/model.embed_tokens to re-tie after a weight update")
-        head.weight = embed.weight
-        if getattr(head, "quant_method", None) is not None:
-            head.quant_method.process_weights_after_loading(head)
-
-
 def _memory_args(kv_cache_gib: float, max_model_len: int, gpu_memory_utilization: float,
                  weight_transfer: str | None) -> dict[str, Any]:
     """The engine arguments that size its memory (and the weight-transfer backend)."""
@@ -143,7 +112,7 @@ def _memory_args(kv_cache_gib: float, max_model_len: int, gpu_memory_utilization
     return memory
 
 
-class VLLMEngine:
+class VLLMEngine(VLLMWeights):
     """``GenerationEngine`` over vLLM's ``AsyncLLM``; build it with ``await create(...)``."""
 
     def __init__(self, llm: Any, dtype: str, max_model_len: int, max_logprobs: int,
@@ -162,7 +131,12 @@ class VLLMEngine:
         self.prompt_tokens = 0  # prompt tokens of all requests, and those the cache served
         self.cached_tokens = 0
         self.interrupted_calls = 0
-        self._shm = Path(tempfile.mkdtemp(prefix="arpo_weights_", dir=_shm_dir()))
+        self.kept_calls = 0  # requests frozen across an update (keep) and resumed on their KV
+        self.recomputed_tokens = 0  # context prefilled again after an interruption
+        self.sampled_tokens = 0  # tokens generated (as they stream, not at the end)
+        self._live: dict[str, LiveRequest] = {}  # requests in flight, by id
+        self.keep_unreached = 0  # requests without output yet at a keep update (see _freeze)
+        self._shm = Path(tempfile.mkdtemp(prefix="arpo_weights_", dir=shm_dir()))
         self.last_update: dict[str, float] = {}
         self.startup_s = 0.0
         self._expected: dict[str, tuple] | None = None  # checkpoint names -> shapes
@@ -245,14 +219,23 @@ class VLLMEngine:
             raise ContextOverflow(f"prompt of {len(tokens)} tokens (+{extra}) exceeds "
                                   f"model.max_model_len={self.max_model_len}")
 
-    async def _run(self, prompt: list[int], params: Any, request_id: str | None = None) -> Any:
+    async def _run(self, prompt: list[int], params: Any, request_id: str | None = None,
+                   live: LiveRequest | None = None) -> Any:
         from vllm.inputs import TokensPrompt
 
         final = None
         request_id = request_id or self._request_id()
-        async for out in self._llm.generate(TokensPrompt(prompt_token_ids=prompt), params,
-                                            request_id):
+        tokens = TokensPrompt(prompt_token_ids=prompt)
+        if self._prefix_caching and self._gate.mode == "keep":
+            tokens["cache_salt"] = f"v{self.version}"  # no KV shared across weights
+        seen = 0
+        async for out in self._llm.generate(tokens, params, request_id):
             final = out
+            if live is not None:
+                live.started.set()
+                n = len(out.outputs[0].token_ids) if out.outputs else seen
+                self.sampled_tokens += n - seen
+                seen = n
         return final
 
     def _request_id(self) -> str:
@@ -278,12 +261,13 @@ class VLLMEngine:
             extra = (self._boundary_stops(req.stop, got.tokens)
                      if got.tokens and req.stop else {})
             limit = (window if window and in_window else req.max_tokens) - len(got.tokens)
-            comp, version, stopped = await self._segment(
+            comp, versions, stopped = await self._segment(
                 req, got.tokens, sampling_params(req, limit, k, full, extra, len(got.tokens)))
-            got.add(comp, k, full, req.entropy, version)
+            got.add(comp, k, full, req.entropy, versions)
             finish, reason = comp.finish_reason or "abort", comp.stop_reason
             if finish == "abort" and stopped:
                 interruptions += 1  # a weight update stopped it: resume under the new weights
+                self.recomputed_tokens += len(req.prompt_tokens) + len(got.tokens)
                 continue
             if finish == "stop" and reason in extra:
                 if not comp.text.startswith(reason):
@@ -310,10 +294,10 @@ class VLLMEngine:
         self._check_prompt(req.prompt_tokens, 1)
 
     async def _segment(self, req: GenRequest, tokens: list[int], params: Any
-                       ) -> tuple[Any, int, list]:
+                         ) -> tuple[Any, list[int], list]:
         """One engine request continuing the round from prompt + ``tokens``, under the
-        weight gate: (its completion, the version it ran under, non-empty if a weight
-        update stopped it)."""
+        weight gate: (its completion, the version that sampled each of its tokens,
+        non-empty if a weight update stopped it)."""
         request_id = self._request_id()
         stopped: list[bool] = []
 
@@ -322,11 +306,17 @@ class VLLMEngine:
             await self._llm.abort(rid)
 
         async with self._gate.call(stop=stop):
-            version = self.version
-            out = await self._run(list(req.prompt_tokens) + tokens, params, request_id)
+            live = self._live[request_id] = LiveRequest(self.version)
+            try:
+                out = await self._run(list(req.prompt_tokens) + tokens, params, request_id,
+                                      live)
+            finally:
+                self._live.pop(request_id, None)
         self.prompt_tokens += len(req.prompt_tokens) + len(tokens)
         self.cached_tokens += int(out.num_cached_tokens or 0)
-        return out.outputs[0], version, stopped
+        self.kept_calls += bool(live.switches)
+        comp = out.outputs[0]
+        return comp, live.versions(len(comp.token_ids)), stopped
 
     def _boundary_stops(self, stops: list[str], tokens: list[int]) -> dict[str, str]:
         """Stop strings the next segment must also stop at: for each stop string whose
@@ -353,7 +343,11 @@ class VLLMEngine:
         return {"prefix_cache_hit_rate": self.cached_tokens / max(1, self.prompt_tokens),
                 "prompt_tokens": float(self.prompt_tokens),
                 "cached_tokens": float(self.cached_tokens),
-                "interrupted_calls": float(self.interrupted_calls)}
+                "interrupted_calls": float(self.interrupted_calls),
+                "kept_calls": float(self.kept_calls),
+                "keep_unreached": float(self.keep_unreached),
+                "recomputed_tokens": float(self.recomputed_tokens),
+                "sampled_tokens": float(self.sampled_tokens)}
 
     async def sequence_logprobs(self, prompt_tokens: list[int], tokens: list[int]) -> list[float]:
         """One prefill with ``prompt_logprobs=0`` (each position's actual token only)."""
@@ -368,88 +362,6 @@ class VLLMEngine:
             out = await self._run(full, params)
         entries = out.prompt_logprobs[len(prompt_tokens):]
         return [float(e[t].logprob) for t, e in zip(tokens, entries)]
-
-    async def update_weights(self, tensors: dict[str, Any], version: int) -> float:
-        """Load full HF-named weights in place at a safe point; returns the seconds new
-        calls were held (drain of the calls in flight + load). Details of the last update
-        are in ``self.last_update``."""
-        import safetensors.torch
-        import torch
-
-        t0 = time.perf_counter()
-        state = torch_state_dict(tensors, getattr(torch, self._dtype))
-        if self._expected is not None and "lm_head.weight" not in self._expected:
-            # Tied embeddings: the checkpoint has no lm_head (vLLM skips it too), but a
-            # learner's state_dict lists the shared tensor under both names.
-            state.pop("lm_head.weight", None)
-        # A bad name inside the worker would fail mid-load; refuse it here instead.
-        check_weight_names({k: v.shape for k, v in state.items()}, self._expected)
-        path = self._shm / f"v{version}.safetensors"
-        try:
-            safetensors.torch.save_file(state, str(path))
-        except BaseException:  # a full /dev/shm: no partial file left behind
-            path.unlink(missing_ok=True)
-            raise
-        t_file = time.perf_counter() - t0
-        async with self._gate.exclusive() as drain_s:
-            t1 = time.perf_counter()
-            try:
-                await self._llm.collective_rpc(_reload_from_file, args=(str(path),))
-                if self._prefix_caching:
-                    await self._llm.reset_prefix_cache()
-            finally:
-                path.unlink(missing_ok=True)
-            self.version = version
-            load_s = time.perf_counter() - t1
-        paused = drain_s + load_s
-        self.last_update = {"write_s": t_file, "drain_s": drain_s, "load_s": load_s,
-                            "paused_s": paused, "tensors": float(len(state))}
-        return paused
-
-    # ------------------------------------------------------------------ NCCL weights
-    async def init_weight_transfer(self, init_info: dict) -> None:
-        """Join the learner's NCCL group (vLLM's ``NCCLWeightTransferInitInfo`` fields);
-        returns once every worker and the learner have met."""
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
-
-        await self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
-
-    async def receive_weights_nccl(self, fetch_header, timeout_s: float):
-        """At a safe point, ask for the newest weights (``await fetch_header()``: a
-        ``NcclWeightsHeader``, or None when there is nothing newer) and receive them over
-        NCCL into the workers. Returns (version, seconds paused) or None.
-
-        The header is requested only after the calls in flight have drained, so the
-        learner's broadcast never waits on this actor's generation. A transfer that does not
-        finish in ``timeout_s`` raises ``NcclTransferFailed``: the workers are then stuck
-        in NCCL and only a restart frees them."""
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        async with self._gate.exclusive() as drain_s:
-            header = await fetch_header()
-            if header is None:
-                return None
-            t1 = time.perf_counter()
-            names = {n: tuple(s) for n, s in zip(header.names, header.shapes)}
-            if self._expected is not None and "lm_head.weight" not in self._expected:
-                names.pop("lm_head.weight", None)  # tied: vLLM skips it when loading
-            check_weight_names(names, self._expected)
-            request = WeightTransferUpdateRequest(update_info=update_info_from(header))
-            await self._llm.start_weight_update()
-            try:
-                await asyncio.wait_for(self._llm.update_weights(request), timeout_s)
-            except asyncio.TimeoutError:
-                raise NcclTransferFailed(f"weights v{header.version}: the NCCL transfer did "
-                                         f"not finish in {timeout_s:.0f} s") from None
-            await self._llm.finish_weight_update()
-            await self._llm.collective_rpc(_retie_embeddings)
-            if self._prefix_caching:
-                await self._llm.reset_prefix_cache()
-            self.version = header.version
-            load_s = time.perf_counter() - t1
-        self.last_update = {"drain_s": drain_s, "load_s": load_s, "paused_s": drain_s + load_s,
-                            "tensors": float(len(header.names)), "channel_nccl": 1.0}
-        return header.version, drain_s + load_s
 
     async def close(self) -> None:
         """Shut the engine-core process down, reap it, and remove the weight scratch folder."""
@@ -467,9 +379,3 @@ class VLLMEngine:
         await reap(procs)
         await reap_adopted(adopted)
         shutil.rmtree(self._shm, ignore_errors=True)
-
-
-def _shm_dir() -> str | None:
-    """/dev/shm keeps the weight file in memory; fall back to the default temp dir."""
-    shm = "/dev/shm"
-    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None

@@ -54,7 +54,7 @@ class Round:
         self.entropies: list[float] = []
         self.versions: list[int] = []
 
-    def add(self, comp: Any, k: int, full: bool, entropy: bool, version: int) -> None:
+    def add(self, comp: Any, k: int, full: bool, entropy: bool, versions: list[int]) -> None:
         got, entries = list(comp.token_ids), comp.logprobs or []
         if len(entries) != len(got):
             raise RuntimeError(f"vLLM returned {len(entries)} log-prob entries for "
@@ -64,4 +64,6 @@ class Round:
         self.top += [top_k(e, k) if k else [] for e in entries]
         if entropy:
             self.entropies += [nats(e) if full else float("nan") for e in entries]
-        self.versions += [version] * len(got)
+        if len(versions) != len(got):
+            raise RuntimeError(f"{len(versions)} versions for {len(got)} tokens")
+        self.versions += versions

@@ -290,6 +290,70 @@ async def test_vllm_interrupted_call_resumes_under_the_new_weights(vllm_engine, 
         await vllm_engine.update_weights(original, v0 + 2)
 
 
+def kv_kept_logprobs(model, old: dict, new: dict, prompt: list[int], tokens: list[int],
+                     k: int) -> np.ndarray:
+    """The log-probs of ``tokens[k:]`` as a request frozen after its k-th token and
+    resumed under ``new`` weights samples them: the KV of prompt + ``tokens[:k-1]`` was
+    computed under ``old`` (token k-1, the last sampled before the update, enters the
+    cache at the first step after it, under the new weights)."""
+    with torch.no_grad():
+        model.load_state_dict(old)
+        past = model(torch.tensor([prompt + tokens[:k - 1]]), use_cache=True).past_key_values
+        model.load_state_dict(new)
+        logits = model(torch.tensor([tokens[k - 1:-1]]), past_key_values=past,
+                       use_cache=True).logits[0]
+    lp = torch.log_softmax(logits.double(), -1)
+    return lp.gather(-1, torch.tensor(tokens[k:])[:, None])[:, 0].numpy()
+
+
+async def test_vllm_kept_call_resumes_on_its_kv_cache(vllm_engine, hf_model, prompt):
+    """actors.update_mode=keep: an update lands while a long call is in flight; the call is
+    frozen with its KV cache and goes on from where it stopped, nothing prefilled again.
+    Checked token by token: its first tokens carry the old version and the old policy's
+    log-probs; from exactly the token the engine switched at, the new version and the
+    log-probs of the new weights over the KV the old weights computed (a transformers
+    reference with that cache), the behaviour policy mu the learner's importance weights
+    divide by. The learner's own recompute (the new weights over the whole context)
+    differs from it: the importance weights of those tokens are not 1."""
+    v0 = vllm_engine.version
+    original = {k: v.clone() for k, v in hf_model.state_dict().items()}
+    new = perturbed(hf_model, seed=5)
+    limit = 512 - len(prompt) - 1
+    vllm_engine._gate.mode = "keep"
+    before = vllm_engine.stats()
+    try:
+        long = asyncio.create_task(vllm_engine.generate(GenRequest(
+            prompt, max_tokens=limit, ignore_eos=True, logprobs_topk=5, seed=13)))
+        while vllm_engine._gate.in_flight < 1:
+            await asyncio.sleep(0.001)
+        # as in the interrupt test: 8 engine steps, so the long call has tokens before
+        await vllm_engine.generate(GenRequest(prompt + [5], max_tokens=8, ignore_eos=True, seed=1))
+        await vllm_engine.update_weights({k: v.numpy() for k, v in new.items()}, v0 + 1)
+        res = await long
+        after = vllm_engine.stats()
+        k = res.versions.index(v0 + 1)
+        print(f"\nvLLM keep: {k} tokens of v{v0}, {len(res.tokens) - k} of v{v0 + 1}, "
+              f"update {vllm_engine.last_update}")
+        assert len(res.tokens) == limit and res.finish_reason == "length"
+        assert 8 <= k < limit and res.versions == [v0] * k + [v0 + 1] * (limit - k)
+        assert res.interruptions == 0 and res.version == v0 + 1
+        assert after["kept_calls"] == before["kept_calls"] + 1
+        assert after["recomputed_tokens"] == before["recomputed_tokens"]  # no prefill again
+        assert after["keep_unreached"] == before["keep_unreached"]
+        lp = np.asarray(res.logprobs)
+        old_lp, _ = ref_logprobs(hf_model, prompt, res.tokens)
+        np.testing.assert_allclose(lp[:k], old_lp[:k], atol=TOL, rtol=0)
+        kept = kv_kept_logprobs(hf_model, original, new, prompt, res.tokens, k)
+        np.testing.assert_allclose(lp[k:], kept, atol=TOL, rtol=0)
+        hf_model.load_state_dict(new)
+        fresh, _ = ref_logprobs(hf_model, prompt, res.tokens)  # what the learner computes
+        assert np.abs(fresh[k:] - lp[k:]).max() > 1e-3, "the kept KV made no difference"
+        assert np.abs(old_lp[k:] - lp[k:]).max() > 1e-2  # the weights really changed
+    finally:
+        vllm_engine._gate.mode = "interrupt"
+        hf_model.load_state_dict(original)
+        await vllm_engine.update_weights(original, v0 + 2)
+
 async def test_vllm_top_k_window_keeps_the_round_whole(vllm_engine, hf_model, prompt, tokenizer):
     """topk_window splits a round into two requests: the tokens, their log-probs and
     where the round stops are those of one request."""

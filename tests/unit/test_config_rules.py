@@ -130,3 +130,13 @@ def test_run_log_level_reaches_the_project_loggers_only():
     finally:
         for name, level in before.items():
             logging.getLogger(name).setLevel(level)
+
+
+def test_keep_mode_is_for_the_vllm_engine_only():
+    """actors.update_mode=keep freezes requests on their KV cache, which only vLLM has."""
+    assert load_config(SPINE_CONFIG, ["actors.engine=vllm",
+                                      "actors.update_mode=keep"]).actors.update_mode == "keep"
+    for engine in ("transformers", "simulated"):
+        with pytest.raises(ConfigError) as err:
+            load_config(SPINE_CONFIG, [f"actors.engine={engine}", "actors.update_mode=keep"])
+        assert "actors.update_mode=keep" in str(err.value) and engine in str(err.value)

@@ -62,7 +62,26 @@ async def test_interrupt_calls_the_stoppers_and_drain_does_not():
         await task
         assert len(calls) == want and gate.interrupted == want
     with pytest.raises(ValueError, match="update_mode"):
-        WeightGate("keep")
+        WeightGate("freeze")
+    with pytest.raises(ValueError, match="update_mode"):  # an engine without keep refuses it
+        WeightGate("keep", ("drain", "interrupt"))
+
+
+async def test_keep_holds_new_calls_and_leaves_the_calls_in_flight_running():
+    """keep: the engine freezes the calls in flight itself; the gate only holds new ones."""
+    gate = WeightGate("keep")
+    release = asyncio.Event()
+
+    async def call():
+        async with gate.call(stop=lambda: pytest.fail("keep must not stop calls")):
+            await release.wait()
+
+    task = asyncio.create_task(call())
+    await asyncio.sleep(0)
+    async with gate.exclusive() as waited:
+        assert gate.in_flight == 1 and gate.closed and waited < 0.2
+    release.set()
+    await task
 
 
 def test_gen_result_versions_per_token():

@@ -136,6 +136,10 @@ class Config(_Section):
         if self.tools.syntax == "hermes" and self.actors.engine == "simulated":
             raise ValueError("tools.syntax=hermes: the simulated engine writes ARPO tags only "
                              "(actors.engine=simulated); use tools.syntax=arpo with it")
+        if self.actors.update_mode == "keep" and self.actors.engine != "vllm":
+            raise ValueError("actors.update_mode=keep freezes requests with their KV cache "
+                             f"(vLLM only); actors.engine={self.actors.engine} takes drain or "
+                             "interrupt")
         return self
 
 

@@ -23,10 +23,13 @@ class ActorsConfig(_Section):
         "starts the next group whenever fewer than this many trajectories are generating "
         "(a trajectory waiting for a tool does not count), without waiting for a group's "
         "stragglers; 0: group slots (actors.concurrent_groups)")
-    update_mode: Literal["drain", "interrupt"] = Field(
+    update_mode: Literal["drain", "interrupt", "keep"] = Field(
         "interrupt", description="at a weight update, requests in flight are stopped at a "
-        "token boundary and resumed under the new weights (interrupt: their tokens keep the "
-        "version that sampled them), or the update waits for them to end (drain)")
+        "token boundary and resumed under the new weights, their context prefilled again "
+        "(interrupt: their tokens keep the version that sampled them); frozen with their KV "
+        "cache and resumed on it, nothing prefilled again (keep, vLLM only: later tokens "
+        "carry the new version and the log-probs the engine reported); or the update waits "
+        "for them to end (drain)")
     kv_cache_gib: float = Field(1.0, description="vLLM CPU KV cache, GiB (VLLM_CPU_KVCACHE_SPACE)")
     gpu_memory_utilization: float = Field(0.85, description="vLLM GPU memory fraction (GPU only)")
     tensor_parallel: int = Field(1, ge=1, description="vLLM tensor-parallel size (GPU only)")
