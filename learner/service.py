@@ -54,7 +54,7 @@ from arpo_async.core.transport.trajectory import TrajectoryReceiver
 from learner.advantages import check_tree
 from learner.config_server import ConfigServer
 from learner.ledger import Ledger
-from learner.tokens import TokenLedger
+from learner.tokens import TokenLedger, prefill_figures
 from learner.weights import build_weight_senders
 
 log = logging.getLogger("learner.service")
@@ -426,7 +426,9 @@ class LearnerService:
                                 if k in ("requests", "dropped_replies")},
                     "weights": {s.channel: s.stats() for s in self.weights},
                     "admission": self.admission.counters(), "staleness": self.filter.stats(),
-                    "tokens": self.tokens.figures(), "held": len(self.held),
+                    "tokens": self.tokens.figures() | {"prefill": prefill_figures(
+                        led.stats for led in self.ledger.actors.values())},
+                    "held": len(self.held),
                     "straggler_wait_s": self.straggler_wait_s,
                     "incarnations": self.ledger.incarnations(), **stats}
 

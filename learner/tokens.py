@@ -79,3 +79,31 @@ class TokenLedger:
                 "yield": self.trained / self.received if self.received else 1.0,
                 "ks_run": ks_distance(self._received_lengths, self._trained_lengths),
                 f"ks_last{self.window}": ks_distance(recent_rx, recent_tr)}
+
+
+PREFILL_KEYS = ("prompt_tokens", "cached_tokens", "recomputed_tokens", "sampled_tokens")
+
+
+def prefill_figures(actor_stats) -> dict:
+    """The other side of the ledger: what the engines computed to generate. Summed over
+    the actors' last reported engine counters (``engine/*`` of their heartbeats; an actor
+    that restarted reports its current incarnation's only): prompt tokens the engine took
+    in, those its prefix cache served, context prefilled again after an interrupting
+    weight update, and tokens sampled; ``prefill_per_sampled`` = (prompt - cached) /
+    sampled, ``recomputed_per_sampled`` = recomputed / sampled. {} before any actor
+    reported them (the simulated engine does not)."""
+    total = {k: 0.0 for k in PREFILL_KEYS}
+    seen = False
+    for stats in actor_stats:
+        for k in PREFILL_KEYS:
+            value = (stats or {}).get(f"engine/{k}")
+            if isinstance(value, (int, float)):
+                total[k] += value
+                seen = True
+    if not seen or total["sampled_tokens"] <= 0:
+        return {}
+    sampled = total["sampled_tokens"]
+    return {**{k: int(v) for k, v in total.items()},
+            "prefill_per_sampled": (total["prompt_tokens"] - total["cached_tokens"]) / sampled,
+            "recomputed_per_sampled": total["recomputed_tokens"] / sampled}
+

@@ -50,6 +50,7 @@ class Progress:
             "tokens/s per actor": " ".join(f"{v:.0f}" for v in actor_tps) or "-",
             "staleness max": str(row["staleness_max"]), "dropped stale": str(row["dropped_stale"]),
             "token yield": _token_yield(svc.get("tokens")),
+            "prefill per token": _prefill(svc.get("tokens")),
             "actors alive": str(row["actors_alive"]), "learner wait": f"{row['wait_s']:.2f}s",
             "fork rate": _fork_rate(row),
             "tool calls": str(row.get("tool_calls", 0)),
@@ -106,3 +107,13 @@ def _token_yield(tokens) -> str:
         return "-"
     ks = next((v for k, v in tokens.items() if k.startswith("ks_last")), 0.0)
     return f"{tokens['yield']:.3f} (KS {ks:.2f})"
+
+
+def _prefill(tokens) -> str:
+    """Prompt tokens the engines computed per token sampled, and of them the context
+    prefilled again after interrupting weight updates (learner/tokens.py prefill_figures)."""
+    pre = tokens.get("prefill") if isinstance(tokens, dict) else None
+    if not pre:
+        return "-"
+    return f"{pre['prefill_per_sampled']:.1f} ({pre['recomputed_per_sampled']:.2f} again)"
+

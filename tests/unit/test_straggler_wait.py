@@ -12,7 +12,7 @@ import pytest
 from arpo_async.core import protocol as P
 from arpo_async.core.config import config_from_dict
 from learner.service import LearnerService
-from learner.tokens import ks_distance
+from learner.tokens import ks_distance, prefill_figures
 
 
 def _group(actor: int, version: int, n_tokens: int, pid: int) -> P.TrajectoryGroup:
@@ -197,3 +197,30 @@ def test_groups_that_never_come_at_the_end_cost_at_most_the_wait(make_service):
     got = svc.collect(2, timeout_s=5, should_stop=lambda: True)
     assert [g.group_id for g in got] == ["g1-0-5"]
     assert svc.events["closing_wait_expired"] == 1
+
+
+def test_prefill_figures_sum_the_engines_counters():
+    """The prefill side of the token ledger, by hand: two actors' engine counters."""
+    a = {"engine/prompt_tokens": 1000.0, "engine/cached_tokens": 200.0,
+         "engine/recomputed_tokens": 100.0, "engine/sampled_tokens": 100.0}
+    b = {"engine/prompt_tokens": 500.0, "engine/cached_tokens": 0.0,
+         "engine/recomputed_tokens": 0.0, "engine/sampled_tokens": 100.0, "other": 1.0}
+    got = prefill_figures([a, b, {}])
+    assert got["prompt_tokens"] == 1500 and got["sampled_tokens"] == 200
+    assert got["prefill_per_sampled"] == (1500 - 200) / 200
+    assert got["recomputed_per_sampled"] == 100 / 200
+    assert prefill_figures([{"tokens_per_s": 3.0}]) == {}  # no engine counters (simulated)
+
+
+def test_the_panel_shows_the_prefill_per_token():
+    from arpo_async.core.config import SPINE_CONFIG, load_config
+    from arpo_async.launcher.progress import Progress
+
+    row = {"step": 3, "policy_version": 3, "reward_mean": 0.1, "wall_time": 30.0,
+           "staleness_max": 1, "dropped_stale": 0, "actors_alive": 2, "wait_s": 0.1,
+           "service": {"tokens": {"received": 10, "trained": 10, "yield": 1.0,
+                                  "prefill": {"prefill_per_sampled": 6.54,
+                                              "recomputed_per_sampled": 0.25}}}}
+    fields = Progress(load_config(SPINE_CONFIG), quiet=True)._fields(row)
+    assert fields["prefill per token"] == "6.5 (0.25 again)"
+    assert fields["token yield"] == "1.000 (KS 0.00)"
