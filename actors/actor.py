@@ -10,8 +10,9 @@ order groups finish (blocking while the learner is behind: backpressure, never a
 With T = 0, ``actors.concurrent_groups`` slots each generate one group and wait for its
 slowest leaf before the next (the synchronous systems' organisation, kept for comparison).
 A background task polls for newer weights and loads them without restarting the engine
-(``actors.update_mode``: interrupting the requests in flight, which resume under the new
-weights, or draining them); tokens sampled after that carry the new version. Weights
+(``actors.update_mode``: keeping the requests in flight on their KV cache, interrupting
+them to resume under the new weights, or draining them); tokens sampled after that carry
+the new version. Weights
 come over ZeroMQ, or, with ``learner.weight_sync=nccl``, by NCCL broadcast into a vLLM
 GPU actor on the learner's machine (actors/weights/ picks the channel and falls back to
 ZeroMQ).

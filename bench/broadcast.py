@@ -20,7 +20,7 @@ bench/results/broadcast.json.
    ``VLLMEngine.last_update``; the context prefilled again after it (interrupt: prompt +
    tokens so far of every stopped request; keep: none), from the engine's
    ``recomputed_tokens``; and the tokens generated per second from one update to the
-   next (the engine's ``sampled_tokens``, counted as they stream). Target: interrupt's
+   next, ``--pause-window-s`` later (2 s: about one learner step of the default job) (the engine's ``sampled_tokens``, counted as they stream). Target: interrupt's
    pause <= 1.3x the load alone.
 
 The last line is ``RESULT broadcast pause_vs_load=<interrupt pause / load, medians>
@@ -153,7 +153,7 @@ MODES = ("drain", "interrupt", "keep")
 
 
 async def pause_per_update(model: str, updates: int, tokens: int = 32,
-                           modes: tuple[str, ...] = MODES) -> dict:
+                           modes: tuple[str, ...] = MODES, window_s: float = 2.0) -> dict:
     """Generation pauses while a real vLLM engine takes in-place updates, per mode: the
     pause, the context prefilled again, and tokens/s until the next update."""
     from safetensors.numpy import load_file
@@ -186,7 +186,7 @@ async def pause_per_update(model: str, updates: int, tokens: int = 32,
             t0, before = time.perf_counter(), engine.stats()
             await engine.update_weights({n: a * (1 + 1e-3 * v) for n, a in weights.items()}, v)
             row = dict(engine.last_update)
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(window_s)
             now = engine.stats()
             row["recomputed_tokens"] = now["recomputed_tokens"] - before["recomputed_tokens"]
             row["tokens_per_s"] = ((now["sampled_tokens"] - before["sampled_tokens"])
@@ -244,6 +244,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="weight updates per update mode for the pause")
     p.add_argument("--pause-tokens", type=int, default=32,
                    help="tokens per request while the updates land")
+    p.add_argument("--pause-window-s", type=float, default=2.0,
+                   help="seconds from one update to the next")
     p.add_argument("--out", default=None, help="results file")
     a = p.parse_args(argv)
     out: dict = {"broadcast": [], "target": 0.5}
@@ -265,7 +267,8 @@ def main(argv: list[str] | None = None) -> dict:
                   flush=True)
     hidden, layers = (int(x) for x in a.pause_model.split("x"))
     model = str(ensure_tiny(f"{SCRATCH_DIR}/model_h{hidden}_l{layers}", hidden, layers))
-    out["pause"] = pause = asyncio.run(pause_per_update(model, a.updates, a.pause_tokens))
+    out["pause"] = pause = asyncio.run(pause_per_update(model, a.updates, a.pause_tokens,
+                                                          window_s=a.pause_window_s))
     print_pauses(pause)
     write_results("broadcast", out, a.out)
     # the target is for real model sizes; a few MB is request latency, not bandwidth

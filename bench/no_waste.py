@@ -103,18 +103,9 @@ def figures(summary: dict) -> dict:
         "step_time_s_mean": summary.get("step_time_s_mean"),
         "accuracy_after_sft": summary.get("accuracy_after_sft"),
         "accuracy_after_rl": summary.get("accuracy_after_rl"),
-        "engine": engine_figures(summary),
+        # the engines' prompt tokens per token sampled, and the context prefilled again
+        "prefill": tokens.get("prefill"),
     }
-
-
-def engine_figures(summary: dict) -> dict:
-    """The actors' engine counters, summed (their last heartbeat or Bye)."""
-    out: dict = {}
-    for led in summary["ledger"].values():
-        for key, value in (led.get("stats") or {}).items():
-            if key.startswith("engine/") and isinstance(value, (int, float)):
-                out[key[7:]] = out.get(key[7:], 0) + value
-    return out
 
 
 def pause_figures(updates: int) -> dict:

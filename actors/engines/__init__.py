@@ -40,7 +40,7 @@ async def build_engine(
             tensor_parallel=cfg.actors.tensor_parallel,
             enable_prefix_caching=prefix_caching(cfg), version=version,
             weight_transfer="nccl" if cfg.learner.weight_sync == "nccl" else None,
-            update_mode=cfg.actors.update_mode,
+            update_mode=cfg.actors.weight_update_mode(),
         )
     if kind == "transformers":
         from actors.engines.hf_engine import HFEngine  # it imports torch: not for --help
@@ -48,7 +48,7 @@ async def build_engine(
         return await HFEngine.create(
             model_path, dtype=cfg.model.dtype, seed=seed, threads=cfg.actors.threads,
             version=version, max_model_len=cfg.model.max_model_len,
-            update_mode=cfg.actors.update_mode,
+            update_mode=cfg.actors.weight_update_mode(),
         )
     if kind == "simulated":
         return await SimulatedEngine.create(cfg, model_path, seed=seed, version=version)

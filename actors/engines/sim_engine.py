@@ -148,7 +148,7 @@ class SimulatedEngine:
     async def create(cls, cfg, model_path: str, seed: int, version: int = 0) -> SimulatedEngine:
         vocab = await asyncio.to_thread(load_vocab, str(model_path))
         return cls(cfg.sim, vocab, cfg.tools.enabled, seed, version, cfg.model.max_model_len,
-                   checkpoint_shapes(str(model_path)), cfg.actors.update_mode)
+                   checkpoint_shapes(str(model_path)), cfg.actors.weight_update_mode())
 
     # ------------------------------------------------------------------ generation
     async def generate(self, req: GenRequest) -> GenResult:

@@ -72,6 +72,11 @@ def test_default_job_runs_every_stage(finished_run):
     assert len(tok.encode("</python>", add_special_tokens=False)) > 1
     assert summary["tool_calls_per_sample_after_sft"] > 0, summary
     assert summary["wall_time_s"] > 0 and summary["steps"] == 3
+    # the default job keeps requests on their KV cache across weight updates
+    # (actors.update_mode=auto: keep on vLLM): the engines sampled tokens and never
+    # prefilled a context again
+    prefill = summary["tokens"]["prefill"]
+    assert prefill["sampled_tokens"] > 0 and prefill["recomputed_tokens"] == 0, prefill
     assert summary["rl"]["steps"] == 3 and summary["rl"]["checkpoint"].endswith("step-00000003")
     # the held-out prompts were answered with tools, against the live retriever
     tools = state["stages"]["eval_rl"]["tools"]
