@@ -20,8 +20,9 @@ bench/results/broadcast.json.
    ``VLLMEngine.last_update``; the context prefilled again after it (interrupt: prompt +
    tokens so far of every stopped request; keep: none), from the engine's
    ``recomputed_tokens``; and the tokens generated per second from one update to the
-   next, ``--pause-window-s`` later (2 s: about one learner step of the default job) (the engine's ``sampled_tokens``, counted as they stream). Target: interrupt's
-   pause <= 1.3x the load alone.
+   next, ``--pause-window-s`` later (2 s: about one learner step of the default job;
+   the engine's ``sampled_tokens``, counted as they stream). Target: interrupt's pause
+   <= 1.3x the load alone.
 
 The last line is ``RESULT broadcast pause_vs_load=<interrupt pause / load, medians>
 keep_pause_vs_load=<keep's> vs_fresh_copy=<worst broadcast / copy ratio, models of 10 MB
