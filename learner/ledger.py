@@ -225,12 +225,17 @@ class Ledger:
     @classmethod
     def from_state(cls, ledger: dict, newer: dict | None = None) -> Ledger:
         """The ledger of a checkpoint. ``newer`` is the ledger of a run state written after
-        it by the learner that died: groups it received stay received, and those it
-        trained after the checkpoint count as dropped "rolled_back" (that training was
-        undone by resuming from the checkpoint)."""
+        it by the learner that died: groups it received stay received, those it trained
+        after the checkpoint count as dropped "rolled_back" (that training was undone by
+        resuming from the checkpoint), and those it held, received but neither trained
+        nor dropped yet (waiting for a step, learner/service.py), died with it: dropped
+        "learner_died"."""
         out = cls(_parse(ledger, "checkpoint ledger"))
         for i, led in _parse(newer or {}, "run state ledger").items():
             old = out.actors.get(i, ActorLedger())
+            held = led.received_total - led.trained - sum(led.dropped.values())
+            if held > 0:
+                led.dropped["learner_died"] += held
             rolled_back = led.trained - old.trained
             led.trained = old.trained
             if rolled_back > 0:

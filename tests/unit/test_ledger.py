@@ -195,6 +195,18 @@ def test_a_newer_run_state_counts_training_after_the_checkpoint_as_rolled_back()
         assert a.received_total == a.trained + sum(a.dropped.values())
 
 
+def test_groups_the_dead_learner_held_count_as_dropped_with_it():
+    """CI, test_resume: a learner killed while it held a received group (waiting for a
+    step) left it received, neither trained nor dropped, after the restart (received 15 =
+    trained 8 + dropped 6 + 1)."""
+    ckpt = {"0": ActorLedger(pid=11, received_total=4, trained=4).to_state()}
+    newer_led = ActorLedger(pid=11, received_total=9, trained=6)
+    newer_led.dropped["stale"] = 1  # 9 = 6 + 1 + 2 held
+    led = Ledger.from_state(ckpt, {"0": newer_led.to_state()}).actors[0]
+    assert dict(led.dropped) == {"stale": 1, "learner_died": 2, "rolled_back": 2}
+    assert led.received_total == led.trained + sum(led.dropped.values())
+
+
 @pytest.mark.parametrize("state, match", [
     ([1, 2], "expected an object of actors, got list"),
     ({"x": {}}, "actor entry 'x'"),
@@ -400,6 +412,9 @@ class Sim:
         self.learner_restarts += 1
         for i, c in newer_expect.items():
             c = Counter(c)
+            held = c["received"] - c["trained"] - sum(
+                v for k, v in c.items() if k not in ("received", "trained"))
+            c["learner_died"] += held  # received, not yet trained: died with the learner
             c["rolled_back"] += c["trained"] - ckpt_expect[i]["trained"]
             c["trained"] = ckpt_expect[i]["trained"]
             self.expect[i] = c
