@@ -214,3 +214,51 @@ async def test_nccl_weight_sync_into_a_vllm_actor_on_another_gpu(tiny_model_dir)
     finally:
         await engine.close()
         server.close()
+
+
+async def test_vllm_keep_tags_each_token_with_the_weights_that_sampled_it_on_gpu(
+        tiny_model_dir):
+    """actors.update_mode=keep on CUDA (CUDA graphs, vLLM's scheduling there): the workers'
+    token counts at the freeze must be exact there too (checked on CPU token by token in
+    tests/integration/test_engines.py). A planted effect: the call starts on sharp weights
+    (the output layer x 20) and the update zeroes the output layer, so every token the new
+    weights sample has log-prob exactly -log V, whatever KV it attends over; the version
+    switch must fall exactly where those tokens begin."""
+    import asyncio
+    import math
+
+    from actors.engines.base import GenRequest
+    from actors.engines.vllm_engine import VLLMEngine
+
+    engine = await VLLMEngine.create(tiny_model_dir, dtype="bfloat16", max_model_len=512,
+                                     gpu_memory_utilization=0.3, enforce_eager=False, seed=0,
+                                     update_mode="keep")
+    try:
+        state = _perturbed(tiny_model_dir, seed=2)
+        sharp = {n: a * 20 if n == "lm_head.weight" else a for n, a in state.items()}
+        flat = {n: a * 0 if n == "lm_head.weight" else a for n, a in state.items()}
+        await engine.update_weights(sharp, 1)
+        limit = 512 - len(PROMPT) - 1
+        call = asyncio.create_task(engine.generate(GenRequest(
+            PROMPT, max_tokens=limit, ignore_eos=True, logprobs_topk=1, seed=3)))
+        while engine._gate.in_flight < 1:
+            await asyncio.sleep(0.001)
+        await engine.generate(GenRequest(PROMPT + [5], max_tokens=8, ignore_eos=True))
+        await engine.update_weights(flat, 2)
+        res = await call
+        k = res.versions.index(2)
+        assert 1 <= k < limit and res.versions == [1] * k + [2] * (limit - k)
+        uniform = -math.log(len(engine_vocab(tiny_model_dir)))
+        lp = np.asarray(res.logprobs)
+        assert np.all(np.abs(lp[k:] - uniform) < 1e-2), lp[k:k + 4]
+        assert np.all(np.abs(lp[:k] - uniform) > 1e-2), lp[max(0, k - 4):k]
+        assert engine.stats()["kept_calls"] >= 1 and engine.stats()["recomputed_tokens"] == 0
+    finally:
+        await engine.close()
+
+
+def engine_vocab(model_dir) -> range:
+    import json
+    from pathlib import Path
+
+    return range(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
