@@ -116,11 +116,7 @@ class VLLMWeights:
             freeze_s = time.perf_counter() - t1
             try:
                 await self._llm.collective_rpc(_reload_from_file, args=(str(path),))
-                if self._prefix_caching and not keep:
-                    await self._llm.reset_prefix_cache()
-                for rid, live in self._live.items():
-                    live.switches.append((counts.get(rid, 0), version))
-                self.version = version
+                await self._loaded(version, counts, keep)
             finally:
                 path.unlink(missing_ok=True)
                 if keep:
@@ -131,6 +127,16 @@ class VLLMWeights:
                             "paused_s": paused, "tensors": float(len(state)),
                             "freeze_s": freeze_s}
         return paused
+
+    async def _loaded(self, version: int, counts: dict[str, int], keep: bool) -> None:
+        """New weights are in the workers: the version goes up, and each request frozen in
+        flight (keep) switches to it after the tokens it had sampled (``counts``); without
+        keep, the prefix cache (KV of the old weights) is reset."""
+        if self._prefix_caching and not keep:
+            await self._llm.reset_prefix_cache()
+        for rid, live in self._live.items():
+            live.switches.append((counts.get(rid, 0), version))
+        self.version = version
 
     async def _freeze(self, reach_s: float = 1.0) -> dict[str, int]:
         """Keep mode: pause the engine with the requests in flight frozen on their KV
@@ -193,11 +199,7 @@ class VLLMWeights:
                                              f"did not finish in {timeout_s:.0f} s") from None
                 await self._llm.finish_weight_update()
                 await self._llm.collective_rpc(_retie_embeddings)
-                if self._prefix_caching and not keep:
-                    await self._llm.reset_prefix_cache()
-                for rid, live in self._live.items():
-                    live.switches.append((counts.get(rid, 0), header.version))
-                self.version = header.version
+                await self._loaded(header.version, counts, keep)
                 load_s = time.perf_counter() - t1
             finally:
                 if keep and not stuck:

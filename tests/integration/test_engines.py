@@ -247,6 +247,18 @@ async def _drain_check(vllm_engine, hf_model, prompt):
     assert min(done_at[f"b{i}"] for i in range(4)) >= done_at["update"]
 
 
+async def long_call_in_flight(engine, req: GenRequest) -> asyncio.Task:
+    """``req`` (a long call) running on ``engine``, with tokens already sampled: a short
+    call submitted after it ends after 8 engine steps, by which the long call (in the same
+    batches) has at least 8 tokens, and hundreds to go when the caller updates."""
+    long = asyncio.create_task(engine.generate(req))
+    while engine._gate.in_flight < 1:
+        await asyncio.sleep(0.001)
+    await engine.generate(GenRequest(req.prompt_tokens + [5], max_tokens=8, ignore_eos=True,
+                                     seed=1))
+    return long
+
+
 async def test_vllm_interrupted_call_resumes_under_the_new_weights(vllm_engine, hf_model,
                                                                    prompt):
     """actors.update_mode=interrupt: an update lands while a long call is in flight; the
@@ -258,14 +270,8 @@ async def test_vllm_interrupted_call_resumes_under_the_new_weights(vllm_engine, 
     original = {k: v.clone() for k, v in hf_model.state_dict().items()}
     new = perturbed(hf_model, seed=3)
     limit = 512 - len(prompt) - 1
-    long = asyncio.create_task(vllm_engine.generate(GenRequest(
-        prompt, max_tokens=limit, ignore_eos=True, logprobs_topk=5, topk_window=4, seed=11)))
-    # A short call submitted after the long one ends after 8 engine steps; by then the long
-    # call (in the same batches) has at least its 4-token window segment, and ~480 tokens
-    # to go when the update is requested.
-    while vllm_engine._gate.in_flight < 1:
-        await asyncio.sleep(0.001)
-    await vllm_engine.generate(GenRequest(prompt + [5], max_tokens=8, ignore_eos=True, seed=1))
+    long = await long_call_in_flight(vllm_engine, GenRequest(
+        prompt, max_tokens=limit, ignore_eos=True, logprobs_topk=5, topk_window=4, seed=11))
     try:
         await vllm_engine.update_weights({k: v.numpy() for k, v in new.items()}, v0 + 1)
         res = await long
@@ -323,12 +329,8 @@ async def test_vllm_kept_call_resumes_on_its_kv_cache(vllm_engine, hf_model, pro
     vllm_engine._gate.mode = "keep"
     before = vllm_engine.stats()
     try:
-        long = asyncio.create_task(vllm_engine.generate(GenRequest(
-            prompt, max_tokens=limit, ignore_eos=True, logprobs_topk=5, seed=13)))
-        while vllm_engine._gate.in_flight < 1:
-            await asyncio.sleep(0.001)
-        # as in the interrupt test: 8 engine steps, so the long call has tokens before
-        await vllm_engine.generate(GenRequest(prompt + [5], max_tokens=8, ignore_eos=True, seed=1))
+        long = await long_call_in_flight(vllm_engine, GenRequest(
+            prompt, max_tokens=limit, ignore_eos=True, logprobs_topk=5, seed=13))
         await vllm_engine.update_weights({k: v.numpy() for k, v in new.items()}, v0 + 1)
         res = await long
         after = vllm_engine.stats()
