@@ -134,6 +134,8 @@ class VLLMEngine(VLLMWeights):
         self.kept_calls = 0  # requests frozen across an update (keep) and resumed on their KV
         self.recomputed_tokens = 0  # context prefilled again after an interruption
         self.sampled_tokens = 0  # tokens generated (as they stream, not at the end)
+        self.rounds = 0  # generate() calls, and the engine requests they made (segments)
+        self.requests = 0
         self._live: dict[str, LiveRequest] = {}  # requests in flight, by id
         self.keep_unreached = 0  # requests without output yet at a keep update (see _freeze)
         self._shm = Path(tempfile.mkdtemp(prefix="arpo_weights_", dir=shm_dir()))
@@ -248,6 +250,7 @@ class VLLMEngine(VLLMWeights):
         resumes from prompt + the tokens so far under the new weights. A stop string
         split across two segments is still found (``_boundary_stops``)."""
         self._check_request(req)
+        self.rounds += 1
         got = Round()
         finish, reason, interruptions = "length", None, 0
         window = req.topk_window if 0 < req.topk_window < req.max_tokens else 0
@@ -299,6 +302,7 @@ class VLLMEngine(VLLMWeights):
         weight gate: (its completion, the version that sampled each of its tokens,
         non-empty if a weight update stopped it)."""
         request_id = self._request_id()
+        self.requests += 1
         stopped: list[bool] = []
 
         async def stop(rid=request_id, flag=stopped):
@@ -347,7 +351,8 @@ class VLLMEngine(VLLMWeights):
                 "kept_calls": float(self.kept_calls),
                 "keep_unreached": float(self.keep_unreached),
                 "recomputed_tokens": float(self.recomputed_tokens),
-                "sampled_tokens": float(self.sampled_tokens)}
+                "sampled_tokens": float(self.sampled_tokens),
+                "rounds": float(self.rounds), "requests": float(self.requests)}
 
     async def sequence_logprobs(self, prompt_tokens: list[int], tokens: list[int]) -> list[float]:
         """One prefill with ``prompt_logprobs=0`` (each position's actual token only)."""

@@ -119,8 +119,11 @@ class PathStepper:
         self.context_full = 0  # trajectories ended by model.max_model_len (all groups)
 
     async def round(self, prompt: Prompt, path: LivePath, read: bool) -> Round:
-        """One round. ``read``: its window entropy is read, so what the estimator needs is
-        asked for over the window only (``GenRequest.topk_window``), else not at all."""
+        """One round. ``read``: its window entropy is read, so the engine is asked for what
+        the estimator needs (top-k log-probs, or the exact estimator's whole vectors), over
+        the window only (``GenRequest.topk_window``) under ``sampling.topk_window_only``,
+        else on every token of the round; whole vectors are always asked over the window
+        only. Not read: the sampled tokens' own log-probs only."""
         s, r = self.cfg.sampling, self.cfg.rollout
         window = r.entropy_window
         exact = r.entropy_estimator == "exact"
@@ -138,7 +141,8 @@ class PathStepper:
                 temperature=s.temperature, top_p=s.top_p, stop_token_ids=self.stop_ids,
                 stop=self.stop_strings,
                 logprobs_topk=s.logprobs_topk if read and not exact else 0,
-                topk_window=window if s.topk_window_only else 0, entropy=read and exact,
+                topk_window=window if s.topk_window_only or exact else 0,
+                entropy=read and exact,
                 seed=seed))
         except ContextOverflow:
             return self._no_room(path)

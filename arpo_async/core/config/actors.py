@@ -97,8 +97,12 @@ class SamplingConfig(_Section):
     logprobs_topk: int = Field(20, description="top-k log-probs returned per token for entropy")
     topk_window_only: bool = Field(
         True, description="ask for top-k log-probs over a round's first rollout.entropy_window "
-        "tokens only, where entropy is read (vLLM: a longer round is sent as two requests); "
-        "false: top-k on every token, one request per round")
+        "tokens only, where entropy is read (vLLM: a longer round is sent as two requests, "
+        "the second prefilling the context again); false: top-k on every token, one request "
+        "per round. Which pays depends on the vocabulary and the rounds' length "
+        "(bench/round_requests.py: false is 1.04x on the default job's 2,048-token "
+        "vocabulary and ~18-token rounds, true 1.13x on Qwen3's 151,936 and 320-token "
+        "rounds). The exact estimator's whole vectors are always asked over the window only")
 
     def round_tokens(self, used: int) -> int:
         """Tokens the next round may ask for after ``used`` response tokens: the budget
