@@ -14,7 +14,7 @@ A background task polls for newer weights and loads them without restarting the 
 them to resume under the new weights, or draining them); tokens sampled after that carry
 the new version. Weights
 come over ZeroMQ, or, with ``learner.weight_sync=nccl``, by NCCL broadcast into a vLLM
-GPU actor on the learner's machine (actors/weights/ picks the channel and falls back to
+GPU actor on the learner's machine (arpo_async/core/weights/ picks the channel and falls back to
 ZeroMQ).
 
 Surviving a learner restart: every request goes through one ``ResilientControl``
@@ -37,14 +37,13 @@ from pathlib import Path
 from actors.control import ResilientControl
 from actors.engines.base import GenerationEngine
 from actors.rollout import Occupancy, Rollout
-from actors.weights import build_weight_receiver
-from actors.weights.base import WeightReceiver
-from actors.weights.zeromq import ZmqWeightReceiver
 from arpo_async.core import protocol as P
 from arpo_async.core.metrics import append_jsonl, probe_sequence
 from arpo_async.core.rundir import saved_position
 from arpo_async.core.transport.control import ControlClient, TransportTimeout
 from arpo_async.core.transport.trajectory import TrajectorySender
+from arpo_async.core.weights import WeightReceiver, build_weight_receiver
+from arpo_async.core.weights.zeromq import ZmqWeightReceiver
 from toolenv.tasks.prompts import PromptSource
 
 log = logging.getLogger("actor")

@@ -3,9 +3,9 @@ bench/results/broadcast.json.
 
 1. Throughput: full weights (the state_dict of a randomly initialised Qwen3 of each
    ``--sizes`` entry, float32, HF names) published on the real ZeroMQ weight channel
-   (learner/weights/zeromq.py ``ZmqWeightSender`` behind a ``ControlServer``: encoded
+   (arpo_async/core/weights/zeromq.py ``ZmqWeightSender`` behind a ``ControlServer``: encoded
    once, served from the same buffers) and fetched by 1 and 4 actor processes
-   (actors/weights/zeromq.py ``ZmqWeightReceiver.fetch``, all starting together), each
+   (the same module's ``ZmqWeightReceiver.fetch``, all starting together), each
    checking what it got. Broadcast time = first request to last byte
    received; MB/s = bytes delivered (size x actors) / that time. Against it, in the same
    run, one memory copy of the same bytes: into fresh memory (``np.copy``: what any
@@ -80,8 +80,8 @@ def copy_rates(tensors: dict[str, np.ndarray], reps: int = 3) -> dict:
 
 def client_main(endpoint: str, actor_id: int, conn) -> None:
     """An actor's weight receiver (process target): fetch when told, report timings."""
-    from actors.weights.zeromq import ZmqWeightReceiver
     from arpo_async.core.transport.control import ControlClient
+    from arpo_async.core.weights.zeromq import ZmqWeightReceiver
 
     async def run() -> None:
         client = ControlClient(endpoint, timeout_s=120, max_bytes=2**31)
@@ -107,7 +107,7 @@ def client_main(endpoint: str, actor_id: int, conn) -> None:
 
 def broadcast_rates(tensors: dict[str, np.ndarray], actors: int, rounds: int) -> dict:
     from arpo_async.core.transport.control import ControlServer
-    from learner.weights.zeromq import ZmqWeightSender
+    from arpo_async.core.weights.zeromq import ZmqWeightSender
 
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     weights = ZmqWeightSender()

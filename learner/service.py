@@ -51,11 +51,11 @@ from arpo_async.core.config import Config, total_actors
 from arpo_async.core.staleness import Admission, StalenessFilter
 from arpo_async.core.transport.control import ControlServer
 from arpo_async.core.transport.trajectory import TrajectoryReceiver
+from arpo_async.core.weights import build_weight_senders
 from learner.advantages import check_tree
 from learner.config_server import ConfigServer
 from learner.ledger import Ledger
 from learner.tokens import TokenLedger, prefill_figures
-from learner.weights import build_weight_senders
 
 log = logging.getLogger("learner.service")
 
@@ -161,7 +161,7 @@ class LearnerService:
         self.gate_open = self.expected_actors <= 1
         # actors on other machines ask here for the config (arpo_async/launcher/remote.py)
         self.config_server = ConfigServer(cfg)
-        self.weights = build_weight_senders(cfg)  # learner/weights/: ZeroMQ, NCCL
+        self.weights = build_weight_senders(cfg)  # arpo_async/core/weights/: ZeroMQ, NCCL
         if resume is not None:
             self.restore(resume["version"], resume["ledger"], resume.get("newer"))
         self.control.start()

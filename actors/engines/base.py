@@ -211,7 +211,7 @@ def check_weight_names(names: Iterable[str], expected: Mapping[str, tuple] | Non
 
 def torch_state_dict(tensors: Mapping[str, Any], dtype: Any) -> dict:
     """Weights as they arrive (torch tensors keyed by HF state_dict names, each of its own
-    dtype, as ``WeightsUpdate`` brings them; or numpy arrays) -> contiguous torch tensors
+    dtype, as the weight channels bring them; or numpy arrays) -> contiguous torch tensors
     of the engine's ``dtype``."""
     import torch  # torch: heavy, and every actor module (and --help) imports this one
 

@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from actors.engines.base import check_weight_names, torch_state_dict
-from actors.weights.nccl import NcclTransferFailed, update_info_from
+from arpo_async.core.weights.base import WeightTransferFailed
 
 
 def _reload_from_file(worker: Any, path: str) -> int:
@@ -158,12 +158,13 @@ class VLLMWeights:
         return counts
 
     # ------------------------------------------------------------------ NCCL weights
-    async def init_weight_transfer(self, init_info: dict) -> None:
-        """Join the learner's NCCL group (vLLM's ``NCCLWeightTransferInitInfo`` fields);
+    async def init_weight_transfer(self, join) -> None:
+        """Join the learner's NCCL group (``join``: the learner's ``NcclJoinReply``);
         returns once every worker and the learner have met."""
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-        await self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+        await self._llm.init_weight_transfer_engine(
+            WeightTransferInitRequest(init_info=init_info_from(join)))
 
     async def receive_weights_nccl(self, fetch_header, timeout_s: float):
         """At a safe point, ask for the newest weights (``await fetch_header()``: a
@@ -172,7 +173,7 @@ class VLLMWeights:
 
         The header is requested only after the calls in flight have drained, so the
         learner's broadcast never waits on this actor's generation. A transfer that does not
-        finish in ``timeout_s`` raises ``NcclTransferFailed``: the workers are then stuck
+        finish in ``timeout_s`` raises ``WeightTransferFailed``: the workers are then stuck
         in NCCL and only a restart frees them."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
@@ -195,7 +196,7 @@ class VLLMWeights:
                     await asyncio.wait_for(self._llm.update_weights(request), timeout_s)
                 except asyncio.TimeoutError:
                     stuck = True
-                    raise NcclTransferFailed(f"weights v{header.version}: the NCCL transfer "
+                    raise WeightTransferFailed(f"weights v{header.version}: the NCCL transfer "
                                              f"did not finish in {timeout_s:.0f} s") from None
                 await self._llm.finish_weight_update()
                 await self._llm.collective_rpc(_retie_embeddings)
@@ -207,6 +208,26 @@ class VLLMWeights:
         self.last_update = {"drain_s": drain_s, "load_s": load_s, "paused_s": drain_s + load_s,
                             "tensors": float(len(header.names)), "channel_nccl": 1.0}
         return header.version, drain_s + load_s
+
+
+def init_info_from(join) -> dict:
+    """vLLM ``NCCLWeightTransferInitInfo`` for this actor's workers from the learner's
+    ``NcclJoinReply``: ranks 1..world-1 after the learner's rank 0, packed transfers with
+    the learner's buffer geometry."""
+    return {"master_address": join.master_address, "master_port": join.master_port,
+            "rank_offset": 1, "world_size": join.world_size, "packed": True,
+            "packed_buffer_size_bytes": join.buffer_bytes,
+            "packed_num_buffers": join.num_buffers}
+
+
+def update_info_from(header) -> dict:
+    """vLLM ``NCCLWeightTransferUpdateInfo`` from an ``NcclWeightsHeader``: what the
+    broadcast carries, in order."""
+    if not (len(header.names) == len(header.dtype_names) == len(header.shapes)):
+        raise ValueError(f"weights header v{header.version}: {len(header.names)} names, "
+                         f"{len(header.dtype_names)} dtypes, {len(header.shapes)} shapes")
+    return {"names": list(header.names), "dtype_names": list(header.dtype_names),
+            "shapes": [list(s) for s in header.shapes]}
 
 
 def shm_dir() -> str | None:

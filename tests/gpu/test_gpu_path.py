@@ -176,11 +176,10 @@ async def test_nccl_weight_sync_into_a_vllm_actor_on_another_gpu(tiny_model_dir)
     if torch.cuda.device_count() < 2:
         pytest.skip("NCCL weight sync needs two GPUs (one NCCL rank per GPU)")
     from actors.engines.vllm_engine import VLLMEngine
-    from actors.weights import build_weight_receiver
-    from actors.weights.nccl import NcclWeightReceiver
-    from arpo_async.core import protocol as P
     from arpo_async.core.config import config_from_dict
-    from learner.weights.nccl import NcclWeightSender
+    from arpo_async.core.weights import build_weight_receiver
+    from arpo_async.core.weights.nccl import NcclWeightReceiver, NcclWeightSender
+    from arpo_async.core.weights.zeromq import WeightsRequest
 
     # learner rank 0 on GPU 1, the actor's vLLM worker on GPU 0; small chunks so that a
     # transfer takes several packed broadcasts and reuses both staging buffers
@@ -190,7 +189,7 @@ async def test_nccl_weight_sync_into_a_vllm_actor_on_another_gpu(tiny_model_dir)
 
     class Direct:  # the control channel, without sockets: straight to the server
         async def request(self, msg):
-            assert not isinstance(msg, P.WeightsRequest), "weights must not go over ZeroMQ here"
+            assert not isinstance(msg, WeightsRequest), "weights must not go over ZeroMQ here"
             return server.handle(msg)
 
     try:

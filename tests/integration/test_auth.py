@@ -106,7 +106,8 @@ class Rogue:
         sock.close()
 
     def weights(self, keys: str) -> None:
-        from arpo_async.core.protocol import WeightsRequest, decode, encode
+        from arpo_async.core.protocol import decode, encode
+        from arpo_async.core.weights.zeromq import WeightsRequest
 
         sock = self._socket(zmq.DEALER, self.ports["control_port"], keys)
         sock.send_multipart([(1).to_bytes(8, "big"), *encode(WeightsRequest(9, -1))])

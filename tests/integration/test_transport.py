@@ -1,6 +1,6 @@
 """The ZeroMQ transport over real loopback sockets: delivery, backpressure, garbage, the
-control channel, the ZeroMQ weight channel (learner/weights/zeromq.py to
-actors/weights/zeromq.py) to many actors, timeouts, restarts, and CurveZMQ."""
+control channel, the ZeroMQ weight channel (arpo_async/core/weights/zeromq.py, both
+sides) to many actors, timeouts, restarts, and CurveZMQ."""
 
 from __future__ import annotations
 
@@ -15,11 +15,10 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
-import torch
 import pytest
+import torch
 import zmq
 
-from actors.weights.zeromq import ZmqWeightReceiver
 from arpo_async.core import keys as K
 from arpo_async.core.ports import free_port
 from arpo_async.core.protocol import (
@@ -37,7 +36,7 @@ from arpo_async.core.protocol import (
 )
 from arpo_async.core.transport.control import ControlClient, ControlServer, TransportTimeout
 from arpo_async.core.transport.trajectory import TrajectoryReceiver, TrajectorySender
-from learner.weights.zeromq import ZmqWeightSender
+from arpo_async.core.weights.zeromq import ZmqWeightReceiver, ZmqWeightSender
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 LOOPBACK = "tcp://127.0.0.1:0"

@@ -20,10 +20,11 @@ import numpy as np
 import torch
 from actors.engines.base import torch_state_dict
 from arpo_async.core import protocol as P
+from arpo_async.core.weights.zeromq import WeightsRequest
 from arpo_async.core.config import SPINE_CONFIG as SPINE, load_config
 from learner.batching import LeafSample
 from learner.dist import init_distributed
-from learner.weights.zeromq import ZmqWeightSender
+from arpo_async.core.weights.zeromq import ZmqWeightSender
 
 cfg = load_config(SPINE, [f"model.path={sys.argv[1]}", "model.dtype=bfloat16", "learner.lr=0.01"])
 init_distributed()
@@ -39,7 +40,7 @@ params = {n: p.detach().clone() for n, p in trainer.engine.module.named_paramete
 state = trainer.full_state()
 sender = ZmqWeightSender()
 sender.publish(1, state)
-update = P.decode([bytes(f) for f in sender.handle(P.WeightsRequest(0, -1)).frames])
+update = P.decode([bytes(f) for f in sender.handle(WeightsRequest(0, -1)).frames])
 loaded = torch_state_dict(update.tensors, torch.float32)
 print(json.dumps({
     "params": len(params), "sent": len(update.tensors), "version": update.version,

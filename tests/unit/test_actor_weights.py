@@ -1,4 +1,4 @@
-"""The actor's weight path (actors/actor.py with actors/weights/): the configured
+"""The actor's weight path (actors/actor.py with arpo_async/core/weights/): the configured
 channel is picked once the learner answered (ZeroMQ unless NCCL is configured, the engine
 can receive over it and the learner lets it join), ZeroMQ updates reach the engine with
 their bfloat16 names, a refusal is an error and "nothing newer" is None, a learner that
@@ -12,12 +12,19 @@ import pytest
 import torch
 
 from actors.actor import Actor
-from actors.weights import build_weight_receiver
-from actors.weights.nccl import NcclUnavailable, NcclWeightReceiver, init_info_from
-from actors.weights.zeromq import ZmqWeightReceiver
 from arpo_async.core import protocol as P
 from arpo_async.core.config import config_from_dict
 from arpo_async.core.host import machine_id
+from arpo_async.core.weights import build_weight_receiver
+from arpo_async.core.weights.nccl import (
+    NcclJoinReply,
+    NcclJoinRequest,
+    NcclUnavailable,
+    NcclWeightReceiver,
+    NcclWeightsHeader,
+    NcclWeightsRequest,
+)
+from arpo_async.core.weights.zeromq import WeightsRequest, WeightsUpdate, ZmqWeightReceiver
 
 
 class Engine:
@@ -62,14 +69,14 @@ class Control:
 
     async def request(self, msg):
         self.sent.append(msg)
-        if isinstance(msg, P.WeightsRequest):
+        if isinstance(msg, WeightsRequest):
             return self.weights.pop(0)
         if isinstance(msg, P.TicketRequest):
             return P.TicketGrant(0, self.version, stop=True)
-        if isinstance(msg, P.NcclJoinRequest):
-            return P.NcclJoinReply(ok=True, master_address="127.0.0.1", master_port=1,
+        if isinstance(msg, NcclJoinRequest):
+            return NcclJoinReply(ok=True, master_address="127.0.0.1", master_port=1,
                                    world_size=2, buffer_bytes=64, num_buffers=2)
-        if isinstance(msg, P.NcclWeightsRequest):
+        if isinstance(msg, NcclWeightsRequest):
             header, self.header = self.header, None
             return header or P.Ack(ok=True, learner_version=self.version)
         return P.Ack(ok=True, learner_version=self.version)
@@ -100,13 +107,13 @@ def make_actor(tmp_path, engine, control, sync="zmq"):
                  sender=None, control=control, vocab_size=100)
 
 
-def wire(update: P.WeightsUpdate) -> P.WeightsUpdate:
+def wire(update: WeightsUpdate) -> WeightsUpdate:
     return P.decode(P.encode(update))
 
 
 async def test_bfloat16_tensors_reach_the_engine_as_bfloat16(tmp_path):
     w = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
-    update = wire(P.WeightsUpdate(version=2, tensors={"w": w, "b": torch.ones(3)}))
+    update = wire(WeightsUpdate(version=2, tensors={"w": w, "b": torch.ones(3)}))
     engine = Engine()
     actor = make_actor(tmp_path, engine, Control([update]))
     await actor.sync_weights()
@@ -115,7 +122,7 @@ async def test_bfloat16_tensors_reach_the_engine_as_bfloat16(tmp_path):
 
 
 async def test_nothing_newer_loads_nothing(tmp_path):
-    update = wire(P.WeightsUpdate(version=1, tensors={"w": torch.ones(3)}))
+    update = wire(WeightsUpdate(version=1, tensors={"w": torch.ones(3)}))
     engine = Engine()
     actor = make_actor(tmp_path, engine, Control([update, P.Ack(ok=True)]))
     await actor.sync_weights()
@@ -124,7 +131,7 @@ async def test_nothing_newer_loads_nothing(tmp_path):
 
 
 async def test_an_actor_ahead_of_a_restarted_learner_loads_its_older_version(tmp_path):
-    older = P.WeightsUpdate(version=2, tensors={"w": torch.ones(3)})
+    older = WeightsUpdate(version=2, tensors={"w": torch.ones(3)})
     engine = Engine(version=5)
     control = Control([older, older])
     actor = make_actor(tmp_path, engine, control)
@@ -132,16 +139,16 @@ async def test_an_actor_ahead_of_a_restarted_learner_loads_its_older_version(tmp
     assert engine.version == 5
     actor.control.learner_version = 2  # a reply said the learner publishes v2
     await actor.sync_weights()
-    asked = [m.have_version for m in control.sent if isinstance(m, P.WeightsRequest)]
+    asked = [m.have_version for m in control.sent if isinstance(m, WeightsRequest)]
     assert asked == [5, -1] and engine.version == 2 and actor.updates == 1
 
 
 async def test_run_uses_nccl_when_configured_and_the_engine_can(tmp_path):
     engine = Engine(nccl=True)
-    control = Control(header=P.NcclWeightsHeader(3, ["w"], ["bfloat16"], [[4]]))
+    control = Control(header=NcclWeightsHeader(3, ["w"], ["bfloat16"], [[4]]))
     actor = make_actor(tmp_path, engine, control, sync="nccl")
     await actor.run()
-    assert actor.weights.channel == "nccl" and engine.init_info["world_size"] == 2
+    assert actor.weights.channel == "nccl" and engine.init_info.world_size == 2
     assert engine.loaded == [("nccl", 3, ["w"], [])]
     kinds = [type(m).__name__ for m in control.sent]
     assert kinds[:3] == ["Hello", "NcclJoinRequest", "NcclWeightsRequest"]
@@ -149,14 +156,14 @@ async def test_run_uses_nccl_when_configured_and_the_engine_can(tmp_path):
 
 
 async def test_run_keeps_zeromq_by_default_even_for_an_nccl_capable_engine(tmp_path):
-    update = P.WeightsUpdate(version=3, tensors={"w": torch.ones(4)})
+    update = WeightsUpdate(version=3, tensors={"w": torch.ones(4)})
     engine = Engine(nccl=True)
     control = Control([update])
     actor = make_actor(tmp_path, engine, control)
     await actor.run()
     assert actor.weights.channel == "zmq" and engine.init_info is None
     assert engine.loaded == [("zmq", 3, ["w"], [])]
-    assert not any(isinstance(m, (P.NcclJoinRequest, P.NcclWeightsRequest))
+    assert not any(isinstance(m, (NcclJoinRequest, NcclWeightsRequest))
                    for m in control.sent)
 
 
@@ -173,22 +180,22 @@ async def test_zeromq_unless_nccl_is_configured_and_possible():
                       ZmqWeightReceiver)
     no_support = await build_weight_receiver(nccl_cfg(), Scripted(), Engine(), 0)
     assert isinstance(no_support, ZmqWeightReceiver)
-    refused = Scripted(P.NcclJoinReply(ok=False, reason="actor runs on another machine"))
+    refused = Scripted(NcclJoinReply(ok=False, reason="actor runs on another machine"))
     assert isinstance(await build_weight_receiver(nccl_cfg(), refused, capable, 0),
                       ZmqWeightReceiver)
     assert refused.sent[0].machine_id == machine_id() and refused.sent[0].workers == 1
 
 
 async def test_nccl_join_then_updates_and_zeromq_after_the_learner_drops_the_group():
-    join = P.NcclJoinReply(ok=True, master_address="127.0.0.1", master_port=1, world_size=3,
+    join = NcclJoinReply(ok=True, master_address="127.0.0.1", master_port=1, world_size=3,
                            buffer_bytes=64, num_buffers=2)
-    header = P.NcclWeightsHeader(2, ["w"], ["float32"], [[4]])
-    update = P.WeightsUpdate(version=3, tensors={"w": torch.zeros(4)})
+    header = NcclWeightsHeader(2, ["w"], ["float32"], [[4]])
+    update = WeightsUpdate(version=3, tensors={"w": torch.zeros(4)})
     control = Scripted(join, P.Ack(ok=True, learner_version=0), header,
                        P.Ack(ok=False, reason="no NCCL group for this actor"), update)
     engine = Engine(nccl=True)
     sync = await build_weight_receiver(nccl_cfg(), control, engine, actor_id=7)
-    assert isinstance(sync, NcclWeightReceiver) and engine.init_info == init_info_from(join)
+    assert isinstance(sync, NcclWeightReceiver) and engine.init_info is join
     assert await sync.sync(engine) is None  # nothing newer
     got = await sync.sync(engine)
     assert (got.version, got.channel) == (2, "nccl")
@@ -196,7 +203,7 @@ async def test_nccl_join_then_updates_and_zeromq_after_the_learner_drops_the_gro
     assert (got.version, got.channel, got.paused_s) == (3, "zmq", 0.25)
     assert "no NCCL group" in sync.broken
     assert engine.loaded == [("nccl", 2, ["w"], []), ("zmq", 3, ["w"], [])]
-    asked = [m for m in control.sent if isinstance(m, P.NcclWeightsRequest)]
+    asked = [m for m in control.sent if isinstance(m, NcclWeightsRequest)]
     assert [(m.actor_id, m.have_version) for m in asked] == [(7, 0), (7, 0), (7, 2)]
 
 

@@ -12,6 +12,7 @@ import pytest
 from actors.actor import Actor
 from arpo_async.core import protocol as P
 from arpo_async.core.config import config_from_dict
+from arpo_async.core.weights.zeromq import WeightsRequest, WeightsUpdate
 
 
 class _FullDiskEngine:
@@ -37,8 +38,8 @@ class _Control:
         self.tickets, self.endpoint = 0, "fake"
 
     async def request(self, msg):
-        if isinstance(msg, P.WeightsRequest):
-            return P.WeightsUpdate(version=3, tensors={"w": np.ones(2, np.float32)})
+        if isinstance(msg, WeightsRequest):
+            return WeightsUpdate(version=3, tensors={"w": np.ones(2, np.float32)})
         if isinstance(msg, P.TicketRequest):
             self.tickets += 1
             if self.tickets <= 2:

@@ -1,6 +1,7 @@
 """docs/extending.md stays true: every repository path it names exists; its loss
-example, run as written, is a loss type the driver takes and is exact on trees; its
-rollout policy example, run as written through the real rollout, builds the tree it
+example, run as written, is a loss type the driver takes and is exact on trees; its weight
+channel example carries a weight update over the real wire format; its rollout policy
+example, run as written through the real rollout, builds the tree it
 describes."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import re
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Literal
 
 import pytest
@@ -38,7 +40,7 @@ def test_every_path_the_page_names_exists():
     named = {m.group(1) for m in PATH.finditer(DOC.read_text())}
     assert len(named) >= 20, named
     new = {"learner/losses/<name>.py", "learner/losses/reinforce.py",  # what you write
-           "actors/rollout/<name>.py"}
+           "actors/rollout/<name>.py", "arpo_async/core/weights/<name>.py"}
     missing = sorted(p for p in named - new if not (REPO / p).exists())
     assert not missing, missing
 
@@ -89,3 +91,64 @@ def test_the_rollout_policy_example_builds_its_tree(tiny_model_dir):
         assert n > 0 and list(leaf.tokens[:n]) == list(parent.tokens[:n])
         assert parent.loss_mask[n - 1] == 0  # the last shared token is the tool result's
     assert group.stats["rollout/context_full"] == 0
+
+
+@pytest.fixture
+def protocol_kinds():
+    """The protocol's message kinds as they were: the example registers two more."""
+    from arpo_async.core import protocol as P
+
+    saved = dict(P.MESSAGES)
+    yield
+    P.MESSAGES.clear()
+    P.MESSAGES.update(saved)
+
+
+async def test_the_weight_channel_example_carries_an_update(tmp_path, monkeypatch,
+                                                            protocol_kinds):
+    import torch
+
+    from arpo_async.core import protocol as P
+    from arpo_async.core import weights
+
+    (block,) = (b for b in _blocks() if "register_messages" in b)
+    module: dict = {}
+    # dont_inherit: not this file's "from __future__ import annotations" (the page's
+    # dataclasses are written without it)
+    exec(compile(block, "docs/extending.md (channel)", "exec", dont_inherit=True), module)
+    monkeypatch.setitem(weights.CHANNELS, "folder", module["CHANNEL"])
+    assert all(P.MESSAGES[c.KIND] is c for c in module["CHANNEL"].messages)  # registered
+    cfg = SimpleNamespace(learner=SimpleNamespace(weight_sync="folder"),
+                          run=SimpleNamespace(dir=tmp_path))
+    senders = weights.build_weight_senders(cfg)
+    assert [s.channel for s in senders] == ["zmq", "folder"]
+
+    class Wire:
+        """The learner's routing (learner/service.py): each request to the sender that
+        lists it; both ways through the real wire format."""
+
+        async def request(self, msg):
+            msg = P.decode(P.encode(msg))
+            (sender,) = (s for s in senders if isinstance(msg, s.requests))
+            return P.decode(P.encode(sender.handle(msg)))
+
+    class Engine:
+        version, loaded = 0, []
+
+        async def update_weights(self, tensors, version):
+            self.loaded.append(tensors)
+            self.version = version
+            return 0.1
+
+    receiver = await weights.build_weight_receiver(cfg, Wire(), Engine(), actor_id=0)
+    engine = Engine()
+    assert receiver.channel == "folder" and await receiver.sync(engine) is None
+    sent = {"w": torch.randn(3, 4).to(torch.bfloat16), "b": torch.randn(4)}
+    for s in senders:
+        s.publish(1, sent)
+    got = await receiver.sync(engine)
+    assert (got.version, got.channel, engine.version) == (1, "folder", 1)
+    (loaded,) = engine.loaded
+    assert {n: t.dtype for n, t in loaded.items()} == {"w": torch.bfloat16, "b": torch.float32}
+    assert all(torch.equal(loaded[n], sent[n]) for n in sent)
+    assert await receiver.sync(engine) is None  # up to date

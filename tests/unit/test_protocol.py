@@ -16,6 +16,13 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from arpo_async.core import protocol as P
+from arpo_async.core.weights.nccl import (
+    NcclJoinReply,
+    NcclJoinRequest,
+    NcclWeightsHeader,
+    NcclWeightsRequest,
+)
+from arpo_async.core.weights.zeromq import WeightsRequest, WeightsUpdate
 
 FUZZ = settings(max_examples=150, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -53,7 +60,7 @@ def groups(draw) -> P.TrajectoryGroup:
 
 
 @st.composite
-def weights(draw) -> P.WeightsUpdate:
+def weights(draw) -> WeightsUpdate:
     """Torch tensors of every wire dtype, bfloat16 with any bits (NaNs included)."""
     names = draw(st.lists(st.text(min_size=1, max_size=20).filter(lambda n: "/" not in n),
                           unique=True, max_size=6))
@@ -66,7 +73,7 @@ def weights(draw) -> P.WeightsUpdate:
         else:
             tensors[name] = torch.from_numpy(
                 draw(hnp.arrays(st.sampled_from(WIRE_DTYPES), shape)).copy())
-    return P.WeightsUpdate(version=draw(int64), tensors=tensors, sent_at=draw(floats))
+    return WeightsUpdate(version=draw(int64), tensors=tensors, sent_at=draw(floats))
 
 
 def _builds(cls, **kw):
@@ -80,16 +87,16 @@ messages = st.one_of(
     _builds(P.TicketRequest, actor_id=int64, version=int64, n=int64),
     _builds(P.TicketGrant, granted=int64, learner_version=int64, stop=st.booleans(),
             reason=text),
-    _builds(P.WeightsRequest, actor_id=int64, have_version=int64),
+    _builds(WeightsRequest, actor_id=int64, have_version=int64),
     _builds(P.Bye, actor_id=int64, groups_sent=int64, stats=stats),
     _builds(P.Ack, ok=st.booleans(), reason=text, learner_version=int64),
     _builds(P.ConfigRequest, actor_id=int64, host=text, pid=int64),
     _builds(P.ConfigReply, config_yaml=text, actor_id=int64),
-    _builds(P.NcclJoinRequest, actor_id=int64, machine_id=text, workers=int64),
-    _builds(P.NcclJoinReply, ok=st.booleans(), reason=text, master_address=text,
+    _builds(NcclJoinRequest, actor_id=int64, machine_id=text, workers=int64),
+    _builds(NcclJoinReply, ok=st.booleans(), reason=text, master_address=text,
             master_port=int64, world_size=int64, buffer_bytes=int64, num_buffers=int64),
-    _builds(P.NcclWeightsRequest, actor_id=int64, have_version=int64),
-    _builds(P.NcclWeightsHeader, version=int64, names=st.lists(text, max_size=3),
+    _builds(NcclWeightsRequest, actor_id=int64, have_version=int64),
+    _builds(NcclWeightsHeader, version=int64, names=st.lists(text, max_size=3),
             dtype_names=st.lists(text, max_size=3),
             shapes=st.lists(st.lists(st.integers(0, 2**40), max_size=3), max_size=3)),
 )
@@ -217,7 +224,7 @@ def test_group_round_trip_keeps_leaf_boundaries_and_tree():
 
 def test_tensors_arrive_with_their_own_dtype_bfloat16_included():
     ref = torch.randn(4, 3, dtype=torch.bfloat16)
-    msg = P.WeightsUpdate(5, {"w": ref, "b": torch.arange(3, dtype=torch.float32)})
+    msg = WeightsUpdate(5, {"w": ref, "b": torch.arange(3, dtype=torch.float32)})
     out = P.decode(wire(msg))
     assert out.tensors["w"].dtype == torch.bfloat16 and torch.equal(out.tensors["w"], ref)
     assert out.tensors["b"].dtype == torch.float32
@@ -229,13 +236,13 @@ def test_tensors_arrive_with_their_own_dtype_bfloat16_included():
 
 def test_encode_rejects_what_decode_would_reject():
     with pytest.raises(P.ProtocolError, match="float64"):
-        P.encode(P.WeightsUpdate(1, {"x": torch.zeros(2, dtype=torch.float64)}))
+        P.encode(WeightsUpdate(1, {"x": torch.zeros(2, dtype=torch.float64)}))
     with pytest.raises(P.ProtocolError, match="complex64"):
-        P.encode(P.WeightsUpdate(1, {"x": torch.zeros(2, dtype=torch.complex64)}))
+        P.encode(WeightsUpdate(1, {"x": torch.zeros(2, dtype=torch.complex64)}))
 
 
 def test_tensor_arrays_must_name_a_tensor_field():
-    frames = wire(P.WeightsUpdate(1, {"a": torch.zeros(2)}))
+    frames = wire(WeightsUpdate(1, {"a": torch.zeros(2)}))
     for name in ("a", "other/a", "tensors/"):
         renamed = repack(frames, lambda h, n=name: h["arrays"][0].__setitem__(0, n))
         assert_rejects(renamed, "bad_arrays")
@@ -254,10 +261,10 @@ def test_numpy_scalars_in_bodies_encode_as_plain_numbers():
 
 
 def test_default_timestamps_are_taken_per_message():
-    first = [P.Hello(1, 1), P.Heartbeat(1, 0), P.WeightsUpdate(0),
+    first = [P.Hello(1, 1), P.Heartbeat(1, 0), WeightsUpdate(0),
              P.TrajectoryGroup("g", 0, "p", np.zeros(0, np.int32), [])]
     time.sleep(0.02)
-    second = [P.Hello(1, 1), P.Heartbeat(1, 0), P.WeightsUpdate(0),
+    second = [P.Hello(1, 1), P.Heartbeat(1, 0), WeightsUpdate(0),
               P.TrajectoryGroup("g", 0, "p", np.zeros(0, np.int32), [])]
     stamp = {"hello": "sent_at", "heartbeat": "sent_at", "weights": "sent_at",
              "group": "created_at"}
@@ -366,7 +373,7 @@ def test_array_specs_lying_about_sizes_never_pass(msg, data):
         assert exc.reason
     else:  # a consistent "lie" (same bytes, another legal shape) is just a valid message
         assert type(out) is type(msg) and all_fields_conform(out)
-        arrays = (out.tensors.values() if isinstance(out, P.WeightsUpdate)
+        arrays = (out.tensors.values() if isinstance(out, WeightsUpdate)
                   else [out.prompt_tokens] + [a for leaf in out.leaves
                                               for a in (leaf.tokens, leaf.logprobs)])
         assert sum(a.nbytes for a in arrays) <= sum(map(len, frames[1:]))
@@ -405,7 +412,7 @@ def test_unhashable_kind_and_boolean_version_are_rejected():
 
 
 def test_duplicate_array_names_are_rejected():
-    frames = wire(P.WeightsUpdate(1, {"a": torch.zeros(2)}))
+    frames = wire(WeightsUpdate(1, {"a": torch.zeros(2)}))
     header = msgpack.unpackb(frames[0])
     header["arrays"].append(header["arrays"][0])
     assert_rejects([msgpack.packb(header)] + frames[1:] * 2, "bad_arrays")

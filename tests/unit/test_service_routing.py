@@ -1,5 +1,5 @@
 """Where the learner's control handler (learner/service.py) sends each request: weight
-requests to the weight channel that declares them (learner/weights/), NCCL ones of a
+requests to the weight channel that declares them (arpo_async/core/weights/), NCCL ones of a
 ZeroMQ run refused by name, bad counts refused and counted, a remote actor's request for
 an id answered with one. The handler is called directly (the sockets are bound, no
 process is started)."""
@@ -12,6 +12,8 @@ import pytest
 from arpo_async.core import protocol as P
 from arpo_async.core.config import config_from_dict
 from arpo_async.core.transport.control import Encoded
+from arpo_async.core.weights.nccl import NcclWeightsRequest
+from arpo_async.core.weights.zeromq import WeightsRequest
 from learner.service import _SHUTDOWN_QUIET_S, LearnerService, may_stop
 
 
@@ -26,13 +28,13 @@ def service(tmp_path):
 
 def test_requests_go_to_their_channel_or_are_refused_by_name(service):
     ask = lambda msg: service._handle(msg, b"peer")  # noqa: E731
-    assert ask(P.WeightsRequest(0, -1)) == P.Ack(ok=True, learner_version=-1)
+    assert ask(WeightsRequest(0, -1)) == P.Ack(ok=True, learner_version=-1)
     service.publish(0, {"w": np.ones(4, np.float32)})
-    update = ask(P.WeightsRequest(0, -1))
+    update = ask(WeightsRequest(0, -1))
     assert isinstance(update, Encoded) and P.decode(update.frames).version == 0
-    nccl = ask(P.NcclWeightsRequest(0, -1))
+    nccl = ask(NcclWeightsRequest(0, -1))
     assert nccl == P.Ack(ok=False, reason=P.AckReason.NO_FAST_WEIGHTS)
-    for bad in (P.TicketRequest(0, 0, -1), P.WeightsRequest(-3, -1), P.Hello(-1, 1)):
+    for bad in (P.TicketRequest(0, 0, -1), WeightsRequest(-3, -1), P.Hello(-1, 1)):
         assert ask(bad).reason == P.AckReason.BAD_REQUEST
     assert service.events["bad_request"] == 3
     reply = ask(P.ConfigRequest(actor_id=-1, host="node-b", pid=7))

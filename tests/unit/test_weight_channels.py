@@ -1,9 +1,10 @@
 """The weight channels on CPU: the header and chunking the NCCL transfer relies on,
-checked against vLLM 0.32's own code (actors/weights/nccl.py, learner/weights/nccl.py);
-the learner's side (learner/weights/): NCCL join and offer, ZeroMQ's one encoding per
-version, the channels a run serves. The actor's side: tests/unit/test_actor_weights.py;
-the NCCL transfer itself needs GPUs (tests/gpu/test_gpu_path.py); the ZeroMQ one runs
-over real sockets in tests/integration/test_transport.py."""
+checked against vLLM 0.32's own code (actors/engines/vllm_weights.py,
+arpo_async/core/weights/nccl.py); the learner's side (arpo_async/core/weights/): NCCL join
+and offer, ZeroMQ's one encoding per version, the channels a run serves and the messages
+each owns. The actor's side: tests/unit/test_actor_weights.py; the NCCL transfer itself
+needs GPUs (tests/gpu/test_gpu_path.py); the ZeroMQ one runs over real sockets in
+tests/integration/test_transport.py."""
 
 from __future__ import annotations
 
@@ -12,14 +13,23 @@ import socket
 import pytest
 import torch
 
-from actors.weights.nccl import init_info_from, update_info_from
+from actors.engines.vllm_weights import init_info_from, update_info_from
 from arpo_async.core import protocol as P
 from arpo_async.core.config import config_from_dict
+from arpo_async.core.config.learner import LearnerConfig
 from arpo_async.core.host import machine_id
 from arpo_async.core.transport.control import Encoded
-from learner.weights import build_weight_senders
-from learner.weights.nccl import NcclWeightSender, plan_chunks, weight_header
-from learner.weights.zeromq import ZmqWeightSender
+from arpo_async.core.weights import build_weight_senders
+from arpo_async.core.weights.nccl import (
+    NcclJoinReply,
+    NcclJoinRequest,
+    NcclWeightSender,
+    NcclWeightsHeader,
+    NcclWeightsRequest,
+    plan_chunks,
+    weight_header,
+)
+from arpo_async.core.weights.zeromq import WeightsRequest, ZmqWeightSender
 
 
 @pytest.fixture(scope="module")
@@ -64,16 +74,16 @@ def test_chunks_follow_vllms_packing_rule(vllm_transfer, sizes, buffer):
 
 def test_join_and_update_info_are_what_vllms_nccl_engine_accepts(vllm_transfer):
     nccl, _ = vllm_transfer
-    reply = P.NcclJoinReply(ok=True, master_address="127.0.0.1", master_port=40123,
+    reply = NcclJoinReply(ok=True, master_address="127.0.0.1", master_port=40123,
                             world_size=3, buffer_bytes=2**20, num_buffers=2)
     info = nccl.NCCLWeightTransferInitInfo(**init_info_from(reply))
     assert (info.rank_offset, info.world_size, info.packed) == (1, 3, True)
     names, dtypes, shapes = weight_header(snapshot())
-    header = P.NcclWeightsHeader(5, names, dtypes, shapes)
+    header = NcclWeightsHeader(5, names, dtypes, shapes)
     update = nccl.NCCLWeightTransferUpdateInfo(**update_info_from(header))
     assert update.names == names and update.shapes == shapes
     with pytest.raises(ValueError, match="2 names, 1 dtypes"):
-        update_info_from(P.NcclWeightsHeader(1, ["a", "b"], ["float32"], [[1], [1]]))
+        update_info_from(NcclWeightsHeader(1, ["a", "b"], ["float32"], [[1], [1]]))
 
 
 # ----------------------------------------------------------------------------- learner
@@ -85,9 +95,9 @@ def server():
 
 def test_join_only_from_this_machine_and_binds_a_rendezvous_port():
     srv = server()
-    far = srv.handle(P.NcclJoinRequest(actor_id=3, machine_id="another-boot-id", workers=2))
+    far = srv.handle(NcclJoinRequest(actor_id=3, machine_id="another-boot-id", workers=2))
     assert not far.ok and "another machine" in far.reason and srv._jobs.empty()
-    near = srv.handle(P.NcclJoinRequest(actor_id=3, machine_id=machine_id(), workers=2))
+    near = srv.handle(NcclJoinRequest(actor_id=3, machine_id=machine_id(), workers=2))
     assert near.ok and near.world_size == 3 and near.buffer_bytes == 2**20
     kind, actor_id, sock, world = srv._jobs.get_nowait()
     assert (kind, actor_id, world) == ("join", 3, 3)
@@ -99,32 +109,32 @@ def test_join_only_from_this_machine_and_binds_a_rendezvous_port():
 
 def test_offer_sends_the_header_of_the_newest_version_and_queues_exactly_it():
     srv = server()
-    srv.handle(P.NcclJoinRequest(actor_id=1, machine_id=machine_id()))
+    srv.handle(NcclJoinRequest(actor_id=1, machine_id=machine_id()))
     srv._jobs.get_nowait()[2].close()
-    assert srv.handle(P.NcclWeightsRequest(1, -1)) == P.Ack(ok=True, learner_version=-1)
+    assert srv.handle(NcclWeightsRequest(1, -1)) == P.Ack(ok=True, learner_version=-1)
     weights = snapshot()
     srv.publish(4, weights)
-    header = srv.handle(P.NcclWeightsRequest(actor_id=1, have_version=2))
-    assert isinstance(header, P.NcclWeightsHeader) and header.version == 4
+    header = srv.handle(NcclWeightsRequest(actor_id=1, have_version=2))
+    assert isinstance(header, NcclWeightsHeader) and header.version == 4
     assert (header.names, header.dtype_names, header.shapes) == weight_header(weights)
     kind, actor_id, snap = srv._jobs.get_nowait()
     assert (kind, actor_id, snap.version) == ("send", 1, 4)
     assert all(t is weights[n] for t, n in zip(snap.tensors, header.names))  # no copy
-    assert srv.handle(P.NcclWeightsRequest(1, 4)).learner_version == 4  # up to date
-    refused = srv.handle(P.NcclWeightsRequest(actor_id=9, have_version=0))
+    assert srv.handle(NcclWeightsRequest(1, 4)).learner_version == 4  # up to date
+    refused = srv.handle(NcclWeightsRequest(actor_id=9, have_version=0))
     assert not refused.ok and "no NCCL group" in refused.reason and srv._jobs.empty()
 
 
 def test_zeromq_serves_one_encoding_per_version_and_acks_the_up_to_date():
     zmq = ZmqWeightSender()
-    assert zmq.handle(P.WeightsRequest(0, -1)) == P.Ack(ok=True, learner_version=-1)
+    assert zmq.handle(WeightsRequest(0, -1)) == P.Ack(ok=True, learner_version=-1)
     zmq.publish(3, snapshot())
-    first, second = zmq.handle(P.WeightsRequest(0, -1)), zmq.handle(P.WeightsRequest(1, 2))
+    first, second = zmq.handle(WeightsRequest(0, -1)), zmq.handle(WeightsRequest(1, 2))
     assert isinstance(first, Encoded) and first.frames is second.frames  # encoded once
     update = P.decode(first.frames)
     assert update.version == 3 and update.tensors["lm_head.weight"].dtype == torch.bfloat16
     assert torch.equal(update.tensors["lm_head.weight"], snapshot()["lm_head.weight"])
-    assert zmq.handle(P.WeightsRequest(0, 3)) == P.Ack(ok=True, learner_version=3)
+    assert zmq.handle(WeightsRequest(0, 3)) == P.Ack(ok=True, learner_version=3)
     assert zmq.served == {3: 2} and zmq.stats()["requests"] == 4
     with pytest.raises(ValueError, match="versions must increase"):
         zmq.publish(3, snapshot())
@@ -141,3 +151,21 @@ def test_the_learner_serves_zeromq_always_and_nccl_when_configured(monkeypatch):
 
 def cfg(sync="nccl"):
     return config_from_dict({"cluster": {"device": "cuda"}, "learner": {"weight_sync": sync}})
+
+
+def test_every_channel_owns_its_messages_and_the_protocol_knows_them():
+    import importlib
+
+    from arpo_async.core.weights import CHANNELS
+
+    assert set(CHANNELS) == set(LearnerConfig.model_fields["weight_sync"].annotation.__args__)
+    for name, channel in CHANNELS.items():
+        home = importlib.import_module(channel.sender.__module__)
+        assert home.CHANNEL is channel, name
+        for cls in channel.messages:
+            assert cls.__module__ == home.__name__, (name, cls)  # defined in its room
+            assert P.MESSAGES[cls.KIND] is cls  # registered: decode takes it
+        # a request an actor sends names the channel, so a run without it refuses it
+        assert all(getattr(r, "CHANNEL", name) == name for r in channel.messages)
+    with pytest.raises(ValueError, match="both claim"):
+        P.register_messages(type("Impostor", (), {"KIND": "weights"}))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 
@@ -171,25 +171,6 @@ class TicketGrant:
 
 
 @dataclass
-class WeightsRequest:
-    KIND: ClassVar[str] = "weights_request"
-    actor_id: int
-    have_version: int
-
-
-@dataclass
-class WeightsUpdate:
-    """Full weights: parameter name -> torch tensor, each with its own dtype (bfloat16
-    included), sent as raw frames and received as tensors of the same dtype and shape."""
-
-    KIND: ClassVar[str] = "weights"
-    TENSORS: ClassVar[tuple[str, ...]] = ("tensors",)  # fields whose tensors travel as frames
-    version: int
-    tensors: dict[str, Any] = field(default_factory=dict)
-    sent_at: float = field(default_factory=time.time)
-
-
-@dataclass
 class Bye:
     """An actor's last word: how many groups it sent in total (for exact accounting)."""
 
@@ -225,56 +206,18 @@ class ConfigReply:
     actor_id: int  # the id this actor runs as
 
 
-@dataclass
-class NcclJoinRequest:
-    """A vLLM GPU actor asks to receive weights over NCCL (learner.weight_sync=nccl)."""
-
-    KIND: ClassVar[str] = "nccl_join"
-    CHANNEL: ClassVar[str] = "nccl"  # a weight channel's request (learner/service.py routes)
-    actor_id: int
-    machine_id: str  # the kernel boot id: equal only on the same machine
-    workers: int = 1  # the actor's vLLM worker processes (tensor parallel size)
-
-
-@dataclass
-class NcclJoinReply:
-    """``ok``: join the group now (vLLM's NCCL weight-transfer init info); else ``reason``
-    says why the actor keeps ZeroMQ."""
-
-    KIND: ClassVar[str] = "nccl_join_reply"
-    ok: bool
-    reason: str = ""
-    master_address: str = ""
-    master_port: int = 0
-    world_size: int = 0
-    buffer_bytes: int = 0
-    num_buffers: int = 0
-
-
-@dataclass
-class NcclWeightsRequest:
-    """Sent at the actor's safe point: weights newer than ``have_version``, over NCCL."""
-
-    KIND: ClassVar[str] = "nccl_weights_request"
-    CHANNEL: ClassVar[str] = "nccl"
-    actor_id: int
-    have_version: int
-
-
-@dataclass
-class NcclWeightsHeader:
-    """What the broadcast that follows carries, in order (vLLM's update info)."""
-
-    KIND: ClassVar[str] = "nccl_weights_header"
-    version: int
-    names: list[str] = field(default_factory=list)
-    dtype_names: list[str] = field(default_factory=list)
-    shapes: list[list[int]] = field(default_factory=list)
-
-
 MESSAGES = {
     cls.KIND: cls
-    for cls in (TrajectoryGroup, Hello, Heartbeat, TicketRequest, TicketGrant,
-                WeightsRequest, WeightsUpdate, Bye, Ack, ConfigRequest, ConfigReply,
-                NcclJoinRequest, NcclJoinReply, NcclWeightsRequest, NcclWeightsHeader)
+    for cls in (TrajectoryGroup, Hello, Heartbeat, TicketRequest, TicketGrant, Bye, Ack,
+                ConfigRequest, ConfigReply)
 }
+
+
+def register_messages(*classes: type) -> None:
+    """Add a weight channel's messages (arpo_async/core/weights/) to what ``decode``
+    accepts; a kind already taken by another class is a programming error."""
+    for cls in classes:
+        taken = MESSAGES.setdefault(cls.KIND, cls)
+        if taken is not cls:
+            raise ValueError(f"message kind {cls.KIND!r}: {cls.__name__} and "
+                             f"{taken.__name__} both claim it")

@@ -5,8 +5,9 @@ Frame 0 is a msgpack map ``{"p": PROTOCOL_VERSION, "kind": str, "body": {...}, "
 (arrays never travel inside msgpack: a raw frame is ten times faster for weights).
 
 Two kinds of message carry arrays. A trajectory group's leaves are numpy arrays,
-concatenated per field. A message that names fields in ``TENSORS`` (``WeightsUpdate``)
-carries dicts of torch tensors, by one rule for any such message: each tensor is the array
+concatenated per field. A message that names fields in ``TENSORS`` (the ZeroMQ weight
+channel's ``WeightsUpdate``) carries dicts of torch tensors, by one rule for any such
+message: each tensor is the array
 ``FIELD/NAME`` with its torch dtype in the header (bfloat16 too, whose bits numpy holds as
 uint16 on the way), and comes out as a tensor of that dtype and shape. The dtype travels
 with the tensor; nothing else says which tensors are bfloat16.

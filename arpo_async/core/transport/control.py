@@ -5,7 +5,7 @@ A request is ``[req_id (8 bytes), *frames]``; the ROUTER sees ``[identity, req_i
 *frames]`` and answers ``[identity, req_id, *reply]``, so many coroutines of one actor
 share one socket and a late reply is recognised and discarded. Every request goes to one
 handler (learner/service.py); a handler may answer with ``Encoded`` frames, which the
-server sends as they are: the ZeroMQ weight channel (learner/weights/zeromq.py) encodes
+server sends as they are: the ZeroMQ weight channel (arpo_async/core/weights/zeromq.py) encodes
 each version once and answers every request for it with the same buffers.
 
 ``expect(reply, kind)`` is the one reading of a reply that may carry something: the

@@ -1,5 +1,5 @@
-"""The learner's NCCL weight channel to vLLM GPU actors on its own machine
-(``learner.weight_sync=nccl``; the actor's side: actors/weights/nccl.py).
+"""The NCCL weight channel (``learner.weight_sync=nccl``): vLLM GPU actors on the
+learner's own machine.
 
 Why: over ZeroMQ every actor receives a full copy through a socket, writes it to a file
 in /dev/shm and vLLM reloads the file; for a 14B model that is tens of seconds per actor
@@ -9,12 +9,15 @@ into the vLLM workers, which load them in place through vLLM's weight-transfer e
 
 How it fits the asynchronous design: each actor still pulls at its own safe point.
 - join (``NcclJoinRequest``, once per actor): only from the same machine (kernel boot id);
-  the learner binds a rendezvous port and answers with vLLM's init info; a sender thread
-  then forms a two-party group: learner rank 0 plus the actor's tensor-parallel workers
-  (NCCL allows one rank per GPU, so the actor's GPUs must differ from the learner's).
-- update (``NcclWeightsRequest``, sent after the actor drained its calls): the learner
-  answers with the header of its newest published version and queues the broadcast of
-  exactly that version on the actor's group; the workers receive it concurrently.
+  the learner binds a rendezvous port and answers with the group's geometry; a sender
+  thread then forms a two-party group: learner rank 0 plus the actor's tensor-parallel
+  workers (NCCL allows one rank per GPU, so the actor's GPUs must differ from the
+  learner's). The engine joins it (``init_weight_transfer(reply)``).
+- update (``NcclWeightsRequest``, sent by the engine once its calls are drained or
+  frozen): the learner answers with the header of its newest published version and queues
+  the broadcast of exactly that version on the actor's group; the engine's workers
+  receive it (``receive_weights_nccl``: the receive is the engine's,
+  actors/engines/vllm_weights.py; this channel does the control only).
 
 The sender thread runs one transfer at a time. It copies the published host snapshot
 (the same host tensors ZeroMQ serves) into two GPU staging buffers on a copy stream and
@@ -22,7 +25,9 @@ broadcasts each packed chunk on an NCCL stream, so the training stream is never 
 Chunks follow vLLM's packing rule (``plan_chunks``), which the receiving workers apply to
 the header. A transfer that does not finish within ``learner.nccl_timeout_s`` (the actor
 died) is aborted with ``ncclCommAbort`` and the actor's group is forgotten: it falls back
-to ZeroMQ or, after a restart, joins again.
+to ZeroMQ or, after a restart, joins again. On the actor, a learner that dropped the
+group turns it to ZeroMQ for good; a transfer that never completes leaves the workers
+inside NCCL, so the actor exits to be restarted.
 """
 
 from __future__ import annotations
@@ -33,13 +38,80 @@ import queue
 import socket
 import threading
 import time
-from dataclasses import dataclass
-
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from arpo_async.core import protocol as P
 from arpo_async.core.host import machine_id
+from arpo_async.core.transport.control import expect
+from arpo_async.core.weights.base import (
+    Channel,
+    Loaded,
+    Requester,
+    WeightReceiver,
+    WeightTransferFailed,
+)
 
-log = logging.getLogger("learner.weights")
+log = logging.getLogger("weights.nccl")
+
+
+@dataclass
+class NcclJoinRequest:
+    """A vLLM GPU actor asks to receive weights over NCCL."""
+
+    KIND: ClassVar[str] = "nccl_join"
+    CHANNEL: ClassVar[str] = "nccl"  # a weight channel's request (learner/service.py routes)
+    actor_id: int
+    machine_id: str  # the kernel boot id: equal only on the same machine
+    workers: int = 1  # the actor's vLLM worker processes (tensor parallel size)
+
+
+@dataclass
+class NcclJoinReply:
+    """``ok``: join the group now (what vLLM's NCCL weight-transfer init info needs); else
+    ``reason`` says why the actor keeps ZeroMQ."""
+
+    KIND: ClassVar[str] = "nccl_join_reply"
+    ok: bool
+    reason: str = ""
+    master_address: str = ""
+    master_port: int = 0
+    world_size: int = 0
+    buffer_bytes: int = 0
+    num_buffers: int = 0
+
+
+@dataclass
+class NcclWeightsRequest:
+    """Sent at the actor's safe point: weights newer than ``have_version``, over NCCL."""
+
+    KIND: ClassVar[str] = "nccl_weights_request"
+    CHANNEL: ClassVar[str] = "nccl"
+    actor_id: int
+    have_version: int
+
+
+@dataclass
+class NcclWeightsHeader:
+    """What the broadcast that follows carries, in order (vLLM's update info)."""
+
+    KIND: ClassVar[str] = "nccl_weights_header"
+    version: int
+    names: list[str] = field(default_factory=list)
+    dtype_names: list[str] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
+
+
+MESSAGES = (NcclJoinRequest, NcclJoinReply, NcclWeightsRequest, NcclWeightsHeader)
+P.register_messages(*MESSAGES)
+
+
+class NcclUnavailable(RuntimeError):
+    """This actor cannot (or can no longer) receive weights over NCCL."""
+
+
+# ----------------------------------------------------------------------------- pure helpers
+
 
 _FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -88,7 +160,7 @@ def free_listen_socket(host: str) -> socket.socket:
 @dataclass
 class _Snapshot:
     version: int
-    header: P.NcclWeightsHeader
+    header: NcclWeightsHeader
     tensors: list  # host tensors, in header order
 
 
@@ -96,16 +168,15 @@ class TransferTimeout(RuntimeError):
     pass
 
 
-# ----------------------------------------------------------------------------- server
+# ----------------------------------------------------------------------------- learner
 
 
 class NcclWeightSender:
-    """Learner rank 0's NCCL weight channel (see the module docstring), a ``WeightSender``
-    (learner/weights/base.py). ``handle`` runs on the control thread and never blocks;
-    transfers run on the sender thread."""
+    """The learner's side (rank 0), a ``WeightSender``: ``handle`` runs on the control
+    thread and never blocks; transfers run on the sender thread."""
 
     channel = "nccl"
-    requests = (P.NcclJoinRequest, P.NcclWeightsRequest)
+    requests = (NcclJoinRequest, NcclWeightsRequest)
 
     def __init__(self, device_index: int, buffer_bytes: int, timeout_s: float,
                  num_buffers: int = 2, address: str = "127.0.0.1", start: bool = True):
@@ -143,7 +214,7 @@ class NcclWeightSender:
     def publish(self, version: int, tensors: dict) -> None:
         """The newest weights; the tensors must not change afterwards."""
         names, dtypes, shapes = weight_header(tensors)
-        snap = _Snapshot(version, P.NcclWeightsHeader(version, names, dtypes, shapes),
+        snap = _Snapshot(version, NcclWeightsHeader(version, names, dtypes, shapes),
                          [tensors[n] for n in names])
         with self._lock:
             self._snapshot = snap
@@ -153,27 +224,27 @@ class NcclWeightSender:
         return dict(self._counts)
 
     def handle(self, msg):
-        if isinstance(msg, P.NcclJoinRequest):
+        if isinstance(msg, NcclJoinRequest):
             return self._join(msg)
-        if isinstance(msg, P.NcclWeightsRequest):
+        if isinstance(msg, NcclWeightsRequest):
             return self._offer(msg)
         return P.Ack(ok=False, reason=f"nccl weights: unexpected {type(msg).__name__}")
 
-    def _join(self, msg: P.NcclJoinRequest) -> P.NcclJoinReply:
+    def _join(self, msg: NcclJoinRequest) -> NcclJoinReply:
         if msg.machine_id != self.machine:
-            return P.NcclJoinReply(ok=False, reason="actor runs on another machine")
+            return NcclJoinReply(ok=False, reason="actor runs on another machine")
         if not 1 <= msg.workers <= 64:
-            return P.NcclJoinReply(ok=False, reason=f"bad worker count {msg.workers}")
+            return NcclJoinReply(ok=False, reason=f"bad worker count {msg.workers}")
         sock = free_listen_socket(self.address)
         world = 1 + msg.workers
         with self._lock:
             self._members.add(msg.actor_id)
         self._jobs.put(("join", msg.actor_id, sock, world))
-        return P.NcclJoinReply(ok=True, master_address=self.address,
+        return NcclJoinReply(ok=True, master_address=self.address,
                                master_port=sock.getsockname()[1], world_size=world,
                                buffer_bytes=self.buffer_bytes, num_buffers=self.num_buffers)
 
-    def _offer(self, msg: P.NcclWeightsRequest):
+    def _offer(self, msg: NcclWeightsRequest):
         with self._lock:
             snap, member = self._snapshot, msg.actor_id in self._members
         if snap is None or snap.version <= msg.have_version:
@@ -297,3 +368,88 @@ def _wait(event, deadline: float) -> None:
         if time.monotonic() > deadline:
             raise TransferTimeout("broadcast did not complete (actor gone?)")
         time.sleep(0.0005)
+
+
+# ----------------------------------------------------------------------------- actor
+
+
+class NcclWeightReceiver:
+    """The actor's side, a ``WeightReceiver`` over NCCL, with ``fallback`` (ZeroMQ) once
+    NCCL is gone."""
+
+    channel = "nccl"
+
+    def __init__(self, control: Requester, actor_id: int, fallback: WeightReceiver,
+                 timeout_s: float):
+        self.control, self.actor_id = control, actor_id
+        self.fallback, self.timeout_s = fallback, timeout_s
+        self.broken = ""  # why NCCL stopped; ZeroMQ from then on
+
+    @classmethod
+    async def join(cls, control: Requester, engine: Any, actor_id: int,
+                   fallback: WeightReceiver, timeout_s: float) -> NcclWeightReceiver | None:
+        """Join the learner's NCCL group; None (with the reason logged) when the learner
+        refuses (another machine, no NCCL there) or the group cannot be formed."""
+        reply = await control.request(NcclJoinRequest(actor_id, machine_id(),
+                                                        engine.nccl_workers))
+        if not isinstance(reply, NcclJoinReply) or not reply.ok:
+            reason = getattr(reply, "reason", type(reply).__name__)
+            log.warning("actor %d: no NCCL weight sync (%s); using ZeroMQ", actor_id, reason)
+            return None
+        try:
+            await engine.init_weight_transfer(reply)
+        except Exception as exc:  # e.g. NCCL refuses two ranks on one GPU: say so, keep going
+            log.error("actor %d: joining the learner's NCCL group failed (%s); using ZeroMQ",
+                      actor_id, exc)
+            return None
+        log.info("actor %d: NCCL weight sync with the learner (group of %d)", actor_id,
+                 reply.world_size)
+        return cls(control, actor_id, fallback, timeout_s)
+
+    async def _header(self, have_version: int) -> NcclWeightsHeader | None:
+        reply = await self.control.request(NcclWeightsRequest(self.actor_id, have_version))
+        try:
+            return expect(reply, NcclWeightsHeader, "nccl weights request")
+        except P.ProtocolError as exc:
+            raise NcclUnavailable(f"learner: {exc}") from None
+
+    async def sync(self, engine: Any, have_version: int | None = None) -> Loaded | None:
+        have = engine.version if have_version is None else have_version
+        if not self.broken:
+            try:
+                got = await engine.receive_weights_nccl(lambda: self._header(have),
+                                                        self.timeout_s)
+            except NcclUnavailable as exc:
+                self.broken = str(exc)
+                log.error("actor %d: NCCL weight sync stopped (%s); using ZeroMQ from now on",
+                          self.actor_id, exc)
+            except WeightTransferFailed as exc:
+                # The workers wait inside an NCCL collective that will not complete, and
+                # every later engine call would queue behind it: only a new process (the
+                # launcher restarts this actor) frees the GPU.
+                log.critical("actor %d: %s; exiting so that the actor is restarted",
+                             self.actor_id, exc)
+                os._exit(P.ExitCode.RESTART)
+            else:
+                return None if got is None else Loaded(*got, self.channel)
+        return await self.fallback.sync(engine, have_version)
+
+
+# ----------------------------------------------------------------------------- the channel
+
+
+def _sender(cfg: Any) -> NcclWeightSender:
+    return NcclWeightSender.create(cfg)
+
+
+async def _receiver(cfg: Any, control: Requester, engine: Any, actor_id: int,
+                    fallback: WeightReceiver) -> WeightReceiver | None:
+    if not hasattr(engine, "receive_weights_nccl"):
+        log.warning("actor %d: learner.weight_sync=nccl, but the %s engine cannot receive "
+                    "over NCCL; using ZeroMQ", actor_id, cfg.actors.engine)
+        return None
+    return await NcclWeightReceiver.join(control, engine, actor_id, fallback,
+                                         cfg.learner.nccl_timeout_s)
+
+
+CHANNEL = Channel("nccl", MESSAGES, _sender, _receiver)
