@@ -43,7 +43,7 @@ def _cfg(args, mode: str, run_dir: str):
         "rollout": {"mode": mode, "group_size": args.group_size,
                     "initial_samples": args.initial, "alpha": args.alpha, "beta": args.beta,
                     "tool_call_limit": 3},
-        "tools": {"enabled": ["python"], "timeout_s": 5.0, "python_cpu_s": 2},
+        "tools": {"enabled": ["python"], "timeout_s": 5.0, "python": {"cpu_s": 2}},
         "task": {"name": "arith"},
     })
 

@@ -1,7 +1,7 @@
 """Python sessions benchmark: ``python bench/python_session.py`` prints and writes
 bench/results/python_session.json.
 
-A session (``tools.python_state=session``, the real bubblewrap sandbox) runs ``h`` calls,
+A session (``tools.python.state=session``, the real bubblewrap sandbox) runs ``h`` calls,
 h in ``--histories`` (1, 4, 16); each call defines a variable holding a list of 100 ints.
 Then, ``--repeats`` times, its state is copied to a new session in each of the two ways
 ``toolenv/session.py`` has, and the copy is brought to the point where its next call can

@@ -14,7 +14,7 @@ bm25s) are imported inside the command that needs them, so ``--help`` answers at
 ``call`` exits 1 when the tool reports an error.
 
 ``call python --session`` runs the codes one after another in one Python session
-(``tools.python_state=session``): each sees what the ones before it left. With
+(``tools.python.state=session``): each sees what the ones before it left. With
 ``--fork-after K`` the session is forked after its K-th call; the remaining codes run in
 the original (``root``) and the ``--child`` codes in the fork, which starts from the state
 after call K and sees nothing the root does later. ``--replay`` copies the state by

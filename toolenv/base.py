@@ -16,7 +16,7 @@ A tool is a class with
 - optionally ``canonical(args: str) -> str``: the form of the arguments the result cache
   keys on, so that calls that must give the same result share an entry (``python``:
   line endings; ``search``: case and spacing); without it the arguments as given;
-- optionally, a *stateful* tool (``python`` with ``tools.python_state=session``):
+- optionally, a *stateful* tool (``python`` with ``tools.python.state=session``):
   ``stateful = True``, ``open_session()`` (a trajectory's session: ``digest``, the state
   part of the cache key; ``advance(args)``, a cached result stood for a call;
   ``async fork()``; ``close(reason)``) and ``async call_in(session, args)``

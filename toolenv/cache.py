@@ -7,7 +7,7 @@ load.
 
 Key = sha256 of ``json.dumps([tool, version, args])``, ``args`` in the tool's canonical
 form (the runner passes ``toolenv.base.canonical(tool, args)``: each tool says which
-calls must share a result); a call in a stateful session (``tools.python_state=session``)
+calls must share a result); a call in a stateful session (``tools.python.state=session``)
 adds the session's state, the digest of its history (toolenv/session.py), so a result is
 only ever served to the same state: ``[tool, version, args, state]``.
 

@@ -11,13 +11,13 @@ same packages (numpy, sympy, ...); its installation and virtual environment are 
 back read-only inside the hidden folders, and nothing else of the project is visible.
 ``hide`` adds folders to hide (``build_tools`` passes the run and cache folders).
 
-With ``pool`` > 0 (``tools.python_pool``) a call takes a warm sandbox from
+With ``pool`` > 0 (``tools.python.pool``) a call takes a warm sandbox from
 ``toolenv.pool.WarmPool``: started ahead of the call, the ``preload`` modules
-(``tools.python_preload``) imported, used for that call only and then thrown away, under
+(``tools.python.preload``) imported, used for that call only and then thrown away, under
 the same limits and isolation (toolenv/pool.py gives the design and its threat model).
 With ``pool=0`` every call starts a cold sandbox, as before.
 
-With ``state="session"`` (``tools.python_state``) the tool is *stateful*: a trajectory's
+With ``state="session"`` (``tools.python.state``) the tool is *stateful*: a trajectory's
 calls (``call_in``) run in one live interpreter of its own, which a fork of the trajectory
 copies (toolenv/session.py: sessions, forks, replays; toolenv/session_child.py: what runs
 inside). The pool then holds session sandboxes; a call without a session runs cold.
@@ -200,18 +200,18 @@ class PythonTool:
 
     @classmethod
     def from_config(cls, cfg, run_dir: str | Path, cache_dir: str | Path) -> PythonTool:
-        """The tool of a ``tools`` section. Its own wall-clock limit is set a little under
-        ``tools.timeout_s`` so that it, not the runner's backstop, reports the timeout
-        (with the output printed so far)."""
-        return cls(cpu_s=cfg.python_cpu_s, memory_mb=cfg.python_memory_mb,
-                   max_procs=cfg.python_max_procs, max_output=cfg.python_max_output,
+        """The tool of a ``tools`` section (its ``python`` section). Its own wall-clock limit
+        is set a little under ``tools.timeout_s`` so that it, not the runner's backstop,
+        reports the timeout (with the output printed so far)."""
+        py = cfg.python  # tools.python: its state's keys (arpo_async/core/config/tools.py)
+        session = ({"max_sessions": py.max_sessions, "session_idle_s": py.session_idle_s,
+                    "checkpoint_mb": py.checkpoint_mb} if py.state == "session" else {})
+        return cls(cpu_s=py.cpu_s, memory_mb=py.memory_mb, max_procs=py.max_procs,
+                   max_output=py.max_output,
                    wall_timeout_s=max(cfg.timeout_s - 0.25, 0.9 * cfg.timeout_s),
-                   allow_unsandboxed=cfg.allow_unsandboxed,
+                   allow_unsandboxed=py.allow_unsandboxed,
                    hide=[run_dir, cache_dir],  # checkpoints, logs and cached results
-                   pool=cfg.python_pool, preload=cfg.python_preload, state=cfg.python_state,
-                   max_sessions=cfg.python_max_sessions,
-                   session_idle_s=cfg.python_session_idle_s,
-                   checkpoint_mb=cfg.python_checkpoint_mb)
+                   pool=py.pool, preload=py.preload, state=py.state, **session)
 
     def __init__(self, cpu_s: int = 5, memory_mb: int = 512, max_procs: int = 32,
                  max_output: int = 4096, wall_timeout_s: float = 10.0,
@@ -244,7 +244,7 @@ class PythonTool:
         for warning in self.warnings:
             log.warning("python tool: %s", warning)
         if pool > 0 and not hasattr(os, "pidfd_open"):  # Linux >= 5.3, Python >= 3.9
-            self.warnings.append("warm sandboxes need pidfd_open (Linux 5.3): python_pool "
+            self.warnings.append("warm sandboxes need pidfd_open (Linux 5.3): tools.python.pool "
                                  "ignored, every call starts a cold sandbox")
             log.warning("python tool: %s", self.warnings[-1])
             pool = 0
@@ -291,7 +291,8 @@ class PythonTool:
             hint = ("install bubblewrap (apt-get install bubblewrap)" if "not installed" in reason
                     else "see toolenv/sandbox.py for what each mode needs")
             raise RuntimeError(f"python tool cannot sandbox code: {reason}. Fix: {hint}, or set "
-                               "tools.allow_unsandboxed=true to run code without one (unsafe)")
+                               "tools.python.allow_unsandboxed=true to run code without one "
+                               "(unsafe)")
         warning = (f"UNSANDBOXED: model-written code runs with only rlimits, with access to "
                    f"this machine's files and network ({reason})")
         return self._make("none", limits), [warning]

@@ -16,7 +16,7 @@ like the built-in ones. A call that cannot run (a Hermes call whose JSON does no
 names no known tool, or has arguments its schema rejects) is answered by ``reject``:
 counted as a call and an error, never executed.
 
-Stateful tools (``python`` with ``tools.python_state=session``; toolenv/base.py) keep a
+Stateful tools (``python`` with ``tools.python.state=session``; toolenv/base.py) keep a
 session per trajectory: ``open_state`` gives a trajectory its ``ToolState`` (one session
 per stateful tool), ``ToolState.fork`` copies it at a branch point and ``close`` ends it.
 A call with a state is keyed in the cache by the session's digest as well (a result is

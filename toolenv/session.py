@@ -1,4 +1,4 @@
-"""Python sessions (``tools.python_state = "session"``): one live interpreter per
+"""Python sessions (``tools.python.state = "session"``): one live interpreter per
 trajectory, forked with the ARPO tree.
 
 A ``PySession`` is a trajectory's interpreter: the *history* (the code of every call whose
@@ -14,9 +14,9 @@ calls long, and can be rebuilt at any time:
   loads them. The host carries the bytes and never unpickles them.
 - **replay**: a fresh sandbox re-executes the history (outputs dropped). Used when no
   checkpoint could be taken (state that does not pickle: an open file, a generator; a
-  checkpoint past ``tools.python_checkpoint_mb``), when a restore fails, and when a live
-  sandbox was stopped (idle past ``tools.python_session_idle_s``, evicted for the cap
-  ``tools.python_max_sessions``, killed by a timeout, or dead).
+  checkpoint past ``tools.python.checkpoint_mb``), when a restore fails, and when a live
+  sandbox was stopped (idle past ``tools.python.session_idle_s``, evicted for the cap
+  ``tools.python.max_sessions``, killed by a timeout, or dead).
 - **catch-up**: a cached result served to a session (``advance``) appends its code to the
   history without running it; the next call that runs first re-executes those calls in the
   live sandbox, so a cached result never stands for a state the session does not reach.

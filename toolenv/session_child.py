@@ -1,4 +1,4 @@
-"""The program inside a Python session's sandbox (``tools.python_state=session``): it keeps
+"""The program inside a Python session's sandbox (``tools.python.state=session``): it keeps
 one interpreter's state across calls, runs each call in a fork of it, and writes or loads
 checkpoints. The host side is toolenv/session_sandbox.py (the wire format) and
 toolenv/session.py (histories, forks, replays).

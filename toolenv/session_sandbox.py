@@ -1,5 +1,5 @@
 """One live Python session sandbox, seen from the host: start it, wait for READY, send it
-requests one at a time and read each reply (tools.python_state=session; toolenv/session.py).
+requests one at a time and read each reply (tools.python.state=session; toolenv/session.py).
 
 The sandbox is an ordinary ``Sandbox.spawn`` process (bubblewrap namespaces, its own uid in
 setuid mode, prlimit, nice) running ``toolenv/session_child.py``. A request is a 4-byte

@@ -8,7 +8,7 @@ follows a tool result goes to the policy with its window entropy; a fork copies 
 token up to and including the tool result (so the call is not run again) and resamples
 the round from there.
 
-Stateful tools (``tools.python_state=session``): each root trajectory opens its
+Stateful tools (``tools.python.state=session``): each root trajectory opens its
 ``ToolState`` (``ToolRunner.open_state``) when it starts; a fork's child gets a copy of its
 parent's state at the branch point (``ToolState.fork``, awaited before the parent runs its
 next call, so the copy holds what the shared tool results produced and nothing later); a

@@ -27,7 +27,7 @@ def _cfg(mode: str, run_dir, **rollout) -> object:
         "sampling": {"round_max_tokens": 24, "max_response_tokens": 160},
         "rollout": {"mode": mode, "group_size": M, "initial_samples": N, "alpha": 1.0,
                     "beta": 0.0, "tool_call_limit": 3, **rollout},
-        "tools": {"enabled": ["python"], "timeout_s": 5.0, "python_cpu_s": 2},
+        "tools": {"enabled": ["python"], "timeout_s": 5.0, "python": {"cpu_s": 2}},
         "task": {"name": "arith"},
     })
 

@@ -51,7 +51,7 @@ async def test_fifty_hostile_snippets_do_not_break_other_rollouts(tiny_model_dir
     monkeypatch.setenv("SERPER_API_KEY", secret)  # what a web tool would hold
     limit = 3.0
     cfg = ToolsConfig(enabled=["python"], timeout_s=limit, concurrency=64, rate_per_s=1000,
-                      python_cpu_s=2, python_memory_mb=256, python_max_procs=16)
+                      python={"cpu_s": 2, "memory_mb": 256, "max_procs": 16})
     runner = build_tools(cfg, tmp_path / "run")
     engine = await HFEngine.create(tiny_model_dir, max_model_len=256)
     marker = uuid.uuid4().hex

@@ -201,7 +201,7 @@ async def test_mcp_tool_and_python_session_through_vllm(tiny_model_dir, tmp_path
         "sampling": {"max_response_tokens": 200},
         "rollout": {"mode": "arpo", "group_size": M, "initial_samples": N, "alpha": 1.0,
                     "beta": 0.0, "tool_call_limit": 2},
-        "tools": {"enabled": ["python"], "python_state": "session", "timeout_s": 10.0,
+        "tools": {"enabled": ["python"], "python": {"state": "session"}, "timeout_s": 10.0,
                   "mcp": [{"name": "testsrv", "command": sys.executable, "args": [server]}]},
         "task": {"name": "arith"},
     })

@@ -1,4 +1,4 @@
-"""Python sessions (tools.python_state=session) in the real bubblewrap sandbox: state that
+"""Python sessions (tools.python.state=session) in the real bubblewrap sandbox: state that
 persists from call to call, forks by checkpoint and by replay that both continue from the
 parent's state at the fork and from nothing later, limits per call and per session, a
 killed session that answers with an error (not a hang) and is rebuilt, the cache keyed by
@@ -173,8 +173,8 @@ async def test_the_cache_serves_a_result_only_to_the_same_history(tmp_path):
     from arpo_async.core.config import ToolsConfig
     from toolenv.runner import build_tools
 
-    runner = build_tools(ToolsConfig(enabled=["python"], python_state="session",
-                                     python_pool=2), tmp_path)
+    runner = build_tools(ToolsConfig(enabled=["python"],
+                                     python={"state": "session", "pool": 2}), tmp_path)
     try:
         one, two, again = runner.open_state(), runner.open_state(), runner.open_state()
 

@@ -1,7 +1,7 @@
 """The Python tool in the real bubblewrap sandbox: correct answers for honest code, and
 hostile snippets contained within their time bound with the host left unchanged; every
 test runs three times: with a cold sandbox per call (pool 0), with warm sandboxes (pool 2)
-and in session mode (tools.python_state=session: each snippet in a session of its own, on
+and in session mode (tools.python.state=session: each snippet in a session of its own, on
 session sandboxes from a pool of 2). No call sees another's files, variables, processes or
 environment, earlier or at once; in session mode neither does a fork of a session see its
 sibling's later state."""
@@ -326,8 +326,8 @@ async def test_runner_with_the_real_tool(tmp_path, pool):
 
     if pool == "session":
         pytest.skip("the runner in session mode: tests/integration/test_python_session.py")
-    cfg = ToolsConfig(enabled=["python"], timeout_s=2.0, python_max_output=100,
-                      python_pool=2 if pool == "pool" else 0)
+    cfg = ToolsConfig(enabled=["python"], timeout_s=2.0,
+                      python={"max_output": 100, "pool": 2 if pool == "pool" else 0})
     runner = build_tools(cfg, tmp_path)
     first, again = [await runner.call("python", "print(6*7)\n") for _ in range(2)]
     slow = await runner.call("python", "import time\ntime.sleep(30)")

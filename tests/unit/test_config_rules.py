@@ -106,6 +106,37 @@ def test_the_loss_type_is_chosen_by_type_and_defaults_to_ppo():
     assert "learner.loss.type = 'ppo'" in lines and "learner.loss.is_mode" in lines
 
 
+def test_the_python_tool_has_its_own_section_whose_keys_follow_its_state(tmp_path):
+    from arpo_async.core.config import PythonSession, PythonStateless, save_config
+
+    py = load_config(SPINE_CONFIG).tools.python
+    assert isinstance(py, PythonStateless) and (py.cpu_s, py.pool) == (5, 2)
+    cfg = load_config(SPINE_CONFIG, ["tools.python.state=session",
+                                     "tools.python.max_sessions=4", "tools.python.cpu_s=3"])
+    assert isinstance(cfg.tools.python, PythonSession)
+    assert (cfg.tools.python.max_sessions, cfg.tools.python.cpu_s) == (4, 3)
+    save_config(cfg, tmp_path / "c.yaml")  # the resolved file every process reads
+    assert load_config(tmp_path / "c.yaml").tools.python == cfg.tools.python
+    with pytest.raises(ConfigError, match=r"^tools.python.max_sessions: a key of python state "
+                                          r"session, not of stateless$"):
+        load_config(SPINE_CONFIG, ["tools.python.max_sessions=4"])
+    with pytest.raises(ConfigError, match=r"^tools.python.state: 'sessions' is not a python "
+                                          r"state \(session, stateless\)$"):
+        load_config(SPINE_CONFIG, ["tools.python.state=sessions"])
+    with pytest.raises(ConfigError, match=r"^tools.python.pool: Input should be greater"):
+        load_config(SPINE_CONFIG, ["tools.python.pool=-1"])
+    # the old flat keys name the new one
+    with pytest.raises(ConfigError, match=r"^tools.python_state: moved; use "
+                                          r"tools.python.state"):
+        load_config(SPINE_CONFIG, ["tools.python_state=session"])
+    with pytest.raises(ConfigError, match=r"^tools.python_checkpoint_mb: moved; use "
+                                          r"tools.python.checkpoint_mb \(with state: session"):
+        load_config(SPINE_CONFIG, ["tools.python_checkpoint_mb=8"])
+    lines = "\n".join(describe())
+    assert "tools.python.state = 'stateless'" in lines  # listed once: both states have it
+    assert "tools.python.session_idle_s = 120.0" in lines and "[state=session]" in lines
+
+
 def test_each_wait_and_backoff_has_its_own_key():
     cfg = load_config(SPINE_CONFIG, ["actors.restart_backoff_s=1", "learner.restart_backoff_s=7",
                                      "transport.request_timeout_s=3", "actors.stop_wait_s=11",

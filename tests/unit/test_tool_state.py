@@ -113,14 +113,14 @@ def test_mcp_entries_are_typed_by_their_keys(tmp_path):
 
     cfg = load_config(SPINE_CONFIG, ["tools.mcp=[{name: a, command: srv, args: [-v]}, "
                                      "{name: b, url: 'http://h:1/mcp'}]",
-                                     "tools.python_state=session"])
+                                     "tools.python.state=session"])
     stdio, http = cfg.tools.mcp
     assert isinstance(stdio, McpStdioServer) and stdio.args == ["-v"]
     assert isinstance(http, McpHttpServer) and cfg.tools.offered
     save_config(cfg, tmp_path / "c.yaml")
     assert load_config(tmp_path / "c.yaml").tools.mcp == cfg.tools.mcp
-    with pytest.raises(ConfigError, match="tools.python_state"):
-        load_config(SPINE_CONFIG, ["tools.python_state=sessions"])
+    with pytest.raises(ConfigError, match="tools.python.state"):
+        load_config(SPINE_CONFIG, ["tools.python.state=sessions"])
 
 
 def test_an_mcp_tool_reads_its_call_text_as_arguments():

@@ -28,11 +28,15 @@ from arpo_async.core.config.actors import (
 from arpo_async.core.config.base import ConfigError, _Section
 from arpo_async.core.config.cluster import ClusterConfig, RemoteActorsConfig, TransportConfig
 from arpo_async.core.config.learner import LearnerConfig
-from arpo_async.core.config.losses import LOSS_TYPES, LossConfig, PPOLoss
+from arpo_async.core.config.losses import LOSS, LOSS_TYPES, LossConfig, PPOLoss
 from arpo_async.core.config.run import MetricsConfig, ModelConfig, PipelineConfig, RunConfig
 from arpo_async.core.config.tools import (
+    PYTHON,
+    PYTHON_STATES,
     McpHttpServer,
     McpStdioServer,
+    PythonSession,
+    PythonStateless,
     TaskConfig,
     ToolsConfig,
 )
@@ -42,6 +46,7 @@ __all__ = [
     "ActorsConfig", "ClusterConfig", "Config", "ConfigError", "LearnerConfig", "LOSS_TYPES",
     "LossConfig", "PPOLoss",
     "McpHttpServer", "McpStdioServer", "MetricsConfig", "ModelConfig", "PipelineConfig",
+    "PYTHON_STATES", "PythonSession", "PythonStateless",
     "RENAMED", "RemoteActorsConfig", "RolloutConfig",
     "RunConfig", "SamplingConfig", "SimConfig", "TaskConfig", "ToolsConfig",
     "TransportConfig", "config_from_dict", "describe", "load_config", "save_config",
@@ -73,7 +78,17 @@ RENAMED: dict[str, str] = {
     "pipeline.eval_temperature=-1": "-1 no longer means sampling.temperature; use null",
     "run.quiet": "removed; pass --quiet to python -m arpo_async.launch (how one invocation "
     "shows progress, not part of the run)",
+    **{f"tools.{old}": f"moved; use tools.python.{new} (the python tool's own section)"
+       for old, new in (("python_cpu_s", "cpu_s"), ("python_memory_mb", "memory_mb"),
+                        ("python_max_procs", "max_procs"), ("python_max_output", "max_output"),
+                        ("allow_unsandboxed", "allow_unsandboxed"), ("python_pool", "pool"),
+                        ("python_preload", "preload"), ("python_state", "state"),
+                        ("python_max_sessions", "max_sessions (with state: session)"),
+                        ("python_session_idle_s", "session_idle_s (with state: session)"),
+                        ("python_checkpoint_mb", "checkpoint_mb (with state: session)"))},
 }
+# tagged unions by the field that holds them: the member's tag is dropped from error paths
+UNIONS = {"loss": LOSS, "python": PYTHON}
 
 
 class Config(_Section):
@@ -164,7 +179,8 @@ def _format_error(err: ValidationError) -> str:
     first = err.errors()[0]
     # a tagged union puts the member's tag in the path (learner.loss.ppo.eps_low): drop it
     loc = [p for i, p in enumerate(first["loc"])
-           if not (i and first["loc"][i - 1] == "loss" and p in LOSS_TYPES)]
+           if not (i and first["loc"][i - 1] in UNIONS
+                   and p in UNIONS[first["loc"][i - 1]].members)]
     key = ".".join(str(p) for p in loc)
     if not key:  # a cross-field rule: its message names the keys
         return first["msg"].removeprefix("Value error, ")
@@ -257,9 +273,10 @@ def describe(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
             per = [describe(m, f"{prefix}{name}.") for m in members]
             common = [line for line in per[0] if all(line in p for p in per[1:])]
             lines += common
+            tag = UNIONS[name].tag
             for m, own in zip(members, per):
-                kind = m.model_fields["type"].default
-                lines += [f"{line} [type={kind}]" for line in own if line not in common]
+                kind = m.model_fields[tag].default
+                lines += [f"{line} [{tag}={kind}]" for line in own if line not in common]
         else:
             default = field.default_factory() if field.default_factory else field.default
             lines.append(f"  {prefix}{name} = {default!r}: {field.description}")

@@ -10,11 +10,11 @@ is a class here, added to ``LOSS_TYPES``, and its module under learner/losses/
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from arpo_async.core.config.base import _Section
+from arpo_async.core.config.base import Tagged, _Section
 
 
 class _LossBase(_Section):
@@ -94,24 +94,11 @@ LOSS_TYPES: dict[str, type[_LossBase]] = {"ppo": PPOLoss, "gspo": GSPOLoss,
                                           "cispo": CISPOLoss}
 
 
-LossConfig = Annotated[Union[tuple(LOSS_TYPES.values())],  # noqa: UP007
-                       Field(discriminator="type")]
+LOSS = Tagged("learner.loss", "type", LOSS_TYPES, "ppo", "loss type")
+LossConfig = LOSS.annotation
 
 
 def loss_section(raw):
     """The raw ``learner.loss`` mapping with its ``type`` (``ppo`` when left out); a key
     of another loss type is refused with both types named."""
-    if not isinstance(raw, dict):
-        return raw
-    kind = raw.get("type", "ppo")
-    cls = LOSS_TYPES.get(kind)
-    if cls is None:
-        raise ValueError(f"learner.loss.type: {kind!r} is not a loss type "
-                         f"({', '.join(sorted(LOSS_TYPES))})")
-    for key in raw:
-        if key not in cls.model_fields:
-            owners = sorted(t for t, c in LOSS_TYPES.items() if key in c.model_fields)
-            if owners:
-                raise ValueError(f"learner.loss.{key}: a key of loss type {', '.join(owners)}, "
-                                 f"not of {kind}")
-    return {**raw, "type": kind}
+    return LOSS.section(raw)

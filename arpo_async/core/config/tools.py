@@ -1,5 +1,6 @@
 """The task and tool sections: ``task`` (prompt source) and ``tools`` (with its MCP
-server entries, ``tools.mcp``)."""
+server entries, ``tools.mcp``, and the python tool's own section, ``tools.python``: one
+class per ``state``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator
 
-from arpo_async.core.config.base import _Section
+from arpo_async.core.config.base import Tagged, _Section
 
 _SERVER_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")  # the prefix of its tools' names (tags)
 
@@ -74,6 +75,52 @@ def _mcp_entries(entries: Any) -> list[McpStdioServer | McpHttpServer]:
     return out
 
 
+class _PythonBase(_Section):
+    """``tools.python``: the keys of the python tool in either state."""
+
+    cpu_s: int = Field(5, gt=0, description="sandbox CPU-time limit, seconds")
+    memory_mb: int = Field(512, gt=0, description="sandbox address-space limit, MiB")
+    max_procs: int = Field(32, gt=0, description="sandbox process limit")
+    max_output: int = Field(4096, gt=0, description="characters of tool output kept")
+    allow_unsandboxed: bool = Field(False, description="run Python without bubblewrap (unsafe)")
+    pool: int = Field(
+        2, ge=0, description="warm sandboxes kept ready per actor, count (0: a cold sandbox "
+        "per call; session: sandboxes ready for new sessions); each holds one idle "
+        "interpreter (~20 MiB RSS with math) and a uid")
+    preload: list[str] = Field(
+        default_factory=lambda: ["math"], description="modules each warm sandbox imports "
+        "before its call, names (numpy ~0.1, sympy ~0.25 CPU-s per call, used or not)")
+
+
+_STATE = ("stateless: every python call runs in a fresh sandbox; session: each trajectory "
+          "keeps a live interpreter in a sandbox of its own, which a fork of the trajectory "
+          "copies (docs/design.md, 'Python sessions')")
+
+
+class PythonStateless(_PythonBase):
+    state: Literal["stateless"] = Field("stateless", description=_STATE)
+
+
+class PythonSession(_PythonBase):
+    state: Literal["session"] = Field("session", description=_STATE)
+    max_sessions: int = Field(
+        32, ge=1, description="live session sandboxes per actor, count (each a keeper and a "
+        "holder, ~17 MiB RSS with math, mostly shared, and a uid); past it the least "
+        "recently used idle one is stopped (its state is replayed when used)")
+    session_idle_s: float = Field(
+        120.0, gt=0, description="seconds a session's sandbox may sit unused before it is "
+        "stopped (its state is replayed at its next call)")
+    checkpoint_mb: int = Field(
+        64, ge=1, description="largest fork checkpoint (namespace and /tmp files), MiB; a "
+        "bigger state is copied by replaying its calls instead")
+
+
+PYTHON_STATES: dict[str, type[_PythonBase]] = {"stateless": PythonStateless,
+                                               "session": PythonSession}
+PYTHON = Tagged("tools.python", "state", PYTHON_STATES, "stateless", "python state")
+PythonConfig = PYTHON.annotation
+
+
 class ToolsConfig(_Section):
     enabled: list[str] = Field(default_factory=list, description="tools offered: python, search")
     custom: list[str] = Field(
@@ -94,31 +141,9 @@ class ToolsConfig(_Section):
         8192, ge=1, description="longest tool result the model reads or the cache keeps, "
         "characters, for every tool (python, search, custom, MCP); longer ones are cut with "
         "a marker (an MCP answer far larger is dropped unread: toolenv/mcp_tools.py)")
-    python_cpu_s: int = Field(5, description="sandbox CPU-time limit, seconds")
-    python_memory_mb: int = Field(512, description="sandbox address-space limit, MiB")
-    python_max_procs: int = Field(32, description="sandbox process limit")
-    python_max_output: int = Field(4096, description="characters of tool output kept")
-    allow_unsandboxed: bool = Field(False, description="run Python without bubblewrap (unsafe)")
-    python_pool: int = Field(
-        2, ge=0, description="warm Python sandboxes kept ready per actor, count (0: a cold "
-        "sandbox per call); each holds one idle interpreter (~20 MiB RSS with math) and a uid")
-    python_preload: list[str] = Field(
-        default_factory=lambda: ["math"], description="modules each warm sandbox imports "
-        "before its call, names (numpy ~0.1, sympy ~0.25 CPU-s per call, used or not)")
-    python_state: Literal["stateless", "session"] = Field(
-        "stateless", description="stateless: every python call runs in a fresh sandbox; "
-        "session: each trajectory keeps a live interpreter in a sandbox of its own, which a "
-        "fork of the trajectory copies (docs/design.md, 'Python sessions')")
-    python_max_sessions: int = Field(
-        32, ge=1, description="session mode: live session sandboxes per actor, count (each "
-        "a keeper and a holder, ~17 MiB RSS with math, mostly shared, and a uid); past it "
-        "the least recently used idle one is stopped (its state is replayed when used)")
-    python_session_idle_s: float = Field(
-        120.0, gt=0, description="session mode: seconds a session's sandbox may sit unused "
-        "before it is stopped (its state is replayed at its next call)")
-    python_checkpoint_mb: int = Field(
-        64, ge=1, description="session mode: largest fork checkpoint (namespace and /tmp "
-        "files), MiB; a bigger state is copied by replaying its calls instead")
+    python: PythonConfig = Field(
+        default_factory=lambda: PythonStateless(), description="the python tool's settings "
+        "(tools.python.state: stateless or session, each with its own keys)")
     mcp: list[McpStdioServer | McpHttpServer] = Field(
         default_factory=list, description="MCP servers whose tools are offered: {name, "
         "command, args, env} (stdio) or {name, url} (streamable HTTP); docs/tools.md")
@@ -143,6 +168,11 @@ class ToolsConfig(_Section):
             if not (sep and module and attr):
                 raise ValueError(f"tools.custom[{i}]={path}: expected module:Class")
         return paths
+
+    @field_validator("python", mode="before")
+    @classmethod
+    def _python_state(cls, raw: Any) -> Any:
+        return PYTHON.section(raw)
 
     @field_validator("mcp", mode="before")
     @classmethod
