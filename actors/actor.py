@@ -13,7 +13,7 @@ A background task polls for newer weights and loads them without restarting the 
 (``actors.update_mode``: keeping the requests in flight on their KV cache, interrupting
 them to resume under the new weights, or draining them); tokens sampled after that carry
 the new version. Weights
-come over ZeroMQ, or, with ``learner.weight_sync=nccl``, by NCCL broadcast into a vLLM
+come over ZeroMQ, or, with ``learner.weight_sync.channel=nccl``, by NCCL broadcast into a vLLM
 GPU actor on the learner's machine (arpo_async/core/weights/ picks the channel and falls back to
 ZeroMQ).
 
@@ -281,7 +281,7 @@ class Actor:
             log.info("actor %d: continuing the prompt stream at position %d", self.actor_id,
                      start)
         await self.control.connect()
-        # learner.weight_sync=nccl: join the learner's NCCL group when this actor can
+        # learner.weight_sync.channel=nccl: join the learner's NCCL group when this actor can
         self.weights = await build_weight_receiver(self.cfg, self.control, self.engine,
                                                    self.actor_id)
         await self.sync_weights()

@@ -39,7 +39,7 @@ async def build_engine(
             gpu_memory_utilization=cfg.actors.gpu_memory_utilization,
             tensor_parallel=cfg.actors.tensor_parallel,
             enable_prefix_caching=prefix_caching(cfg), version=version,
-            weight_transfer="nccl" if cfg.learner.weight_sync == "nccl" else None,
+            weight_transfer="nccl" if cfg.learner.weight_sync.channel == "nccl" else None,
             update_mode=cfg.actors.weight_update_mode(),
         )
     if kind == "transformers":

@@ -175,7 +175,7 @@ def _keys_dir(cfg: Config) -> str | None:
 def _actor_roles(cfg: Config, config_path: str, python: str) -> list[RoleSpec]:
     cl, tp = cfg.cluster, cfg.actors.tensor_parallel
     cuda = cl.device == "cuda"
-    nccl = cfg.learner.weight_sync == "nccl"  # with a hostfile: if this is rank 0's machine
+    nccl = cfg.learner.weight_sync.channel == "nccl"  # with a hostfile: if this is rank 0's machine
     base = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
             "OMP_NUM_THREADS": str(cfg.actors.threads)}
     n = cfg.actors.num
@@ -234,8 +234,8 @@ def check_placement(cfg: Config) -> list[str]:
                 raise ConfigError(f"cluster.{key} is set but cluster.device=cpu")
         if any(r.gpus for r in cl.remote_actors):
             raise ConfigError("cluster.remote_actors[].gpus is set but cluster.device=cpu")
-    if cfg.learner.weight_sync == "nccl" and cfg.actors.engine != "vllm":
-        raise ConfigError(f"learner.weight_sync=nccl needs actors.engine=vllm "
+    if cfg.learner.weight_sync.channel == "nccl" and cfg.actors.engine != "vllm":
+        raise ConfigError(f"learner.weight_sync.channel=nccl needs actors.engine=vllm "
                           f"(got {cfg.actors.engine})")
     remote_hosts = [r.host for r in cl.remote_actors]
     if cl.hostfile:
@@ -248,11 +248,11 @@ def check_placement(cfg: Config) -> list[str]:
     learner = learner_hosts(cfg)
     if cl.device == "cuda":  # local actors share a machine with rank 0 (see the notes)
         shared = sorted(set(next(iter(learner.values()))) & set(cl.actor_gpus))
-        if shared and cfg.learner.weight_sync == "nccl":
-            raise ConfigError(f"learner.weight_sync=nccl: GPU {shared[0]} is used by the "
+        if shared and cfg.learner.weight_sync.channel == "nccl":
+            raise ConfigError(f"learner.weight_sync.channel=nccl: GPU {shared[0]} is used by the "
                               "learner and a local actor, and NCCL cannot connect two ranks "
                               "on one GPU; give the actors other cluster.actor_gpus or use "
-                              "learner.weight_sync=zmq")
+                              "learner.weight_sync.channel=zmq")
         if shared:
             notes.append(f"GPUs {shared} are shared by the learner and local actors: vLLM "
                          f"takes actors.gpu_memory_utilization={cfg.actors.gpu_memory_utilization}"
@@ -260,7 +260,7 @@ def check_placement(cfg: Config) -> list[str]:
     if cl.device == "cuda" and cfg.actors.engine != "vllm":
         notes.append(f"actors.engine={cfg.actors.engine} does not use the GPU (only the vLLM "
                      "engine does); its actors compute on the CPU")
-    if cfg.learner.weight_sync == "nccl":
+    if cfg.learner.weight_sync.channel == "nccl":
         notes.append("weights: NCCL to vLLM actors on the learner's machine, ZeroMQ to the "
                      "others (decided at run time by machine identity)")
     if not is_loopback(t.host) and not t.insecure:

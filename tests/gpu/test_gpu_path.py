@@ -194,7 +194,7 @@ async def test_nccl_weight_sync_into_a_vllm_actor_on_another_gpu(tiny_model_dir)
 
     try:
         cfg = config_from_dict({"cluster": {"device": "cuda"},
-                                "learner": {"weight_sync": "nccl", "nccl_timeout_s": 120}})
+                                "learner": {"weight_sync": {"channel": "nccl", "timeout_s": 120}}})
         sync = await build_weight_receiver(cfg, Direct(), engine, actor_id=0)
         assert isinstance(sync, NcclWeightReceiver)
         assert await sync.sync(engine) is None  # nothing published yet

@@ -102,7 +102,7 @@ def make_actor(tmp_path, engine, control, sync="zmq"):
     tree = {"run": {"dir": str(tmp_path), "probe_logprobs": False},
             "actors": {"concurrent_groups": 1, "weight_poll_s": 0.01}}
     if sync == "nccl":
-        tree |= {"cluster": {"device": "cuda"}, "learner": {"weight_sync": "nccl"}}
+        tree |= {"cluster": {"device": "cuda"}, "learner": {"weight_sync": {"channel": "nccl"}}}
     return Actor(config_from_dict(tree), 4, engine, rollout=None, source=Source(),
                  sender=None, control=control, vocab_size=100)
 
@@ -171,7 +171,8 @@ async def test_run_keeps_zeromq_by_default_even_for_an_nccl_capable_engine(tmp_p
 
 
 def nccl_cfg(sync="nccl"):
-    return config_from_dict({"cluster": {"device": "cuda"}, "learner": {"weight_sync": sync}})
+    return config_from_dict({"cluster": {"device": "cuda"},
+                             "learner": {"weight_sync": {"channel": sync}}})
 
 
 async def test_zeromq_unless_nccl_is_configured_and_possible():

@@ -137,6 +137,25 @@ def test_the_python_tool_has_its_own_section_whose_keys_follow_its_state(tmp_pat
     assert "tools.python.session_idle_s = 120.0" in lines and "[state=session]" in lines
 
 
+def test_the_weight_channel_is_a_section_whose_keys_follow_its_channel():
+    from arpo_async.core.config import NcclSync, ZmqSync
+
+    assert isinstance(load_config(SPINE_CONFIG).learner.weight_sync, ZmqSync)
+    cfg = load_config(SPINE_CONFIG, ["cluster.device=cuda", "learner.weight_sync.channel=nccl",
+                                     "learner.weight_sync.timeout_s=60"])
+    sync = cfg.learner.weight_sync
+    assert isinstance(sync, NcclSync) and (sync.buffer_mb, sync.timeout_s) == (1024, 60)
+    with pytest.raises(ConfigError, match=r"^learner.weight_sync.buffer_mb: a key of weight "
+                                          r"channel nccl, not of zmq$"):
+        load_config(SPINE_CONFIG, ["learner.weight_sync.buffer_mb=64"])
+    with pytest.raises(ConfigError, match=r"^learner.weight_sync=nccl: now a section; use "
+                                          r"learner.weight_sync.channel=nccl$"):
+        load_config(SPINE_CONFIG, ["learner.weight_sync=nccl"])
+    with pytest.raises(ConfigError, match=r"^learner.nccl_timeout_s: moved; use "
+                                          r"learner.weight_sync.timeout_s"):
+        load_config(SPINE_CONFIG, ["learner.nccl_timeout_s=60"])
+
+
 def test_each_wait_and_backoff_has_its_own_key():
     cfg = load_config(SPINE_CONFIG, ["actors.restart_backoff_s=1", "learner.restart_backoff_s=7",
                                      "transport.request_timeout_s=3", "actors.stop_wait_s=11",

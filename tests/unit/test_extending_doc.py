@@ -118,7 +118,7 @@ async def test_the_weight_channel_example_carries_an_update(tmp_path, monkeypatc
     exec(compile(block, "docs/extending.md (channel)", "exec", dont_inherit=True), module)
     monkeypatch.setitem(weights.CHANNELS, "folder", module["CHANNEL"])
     assert all(P.MESSAGES[c.KIND] is c for c in module["CHANNEL"].messages)  # registered
-    cfg = SimpleNamespace(learner=SimpleNamespace(weight_sync="folder"),
+    cfg = SimpleNamespace(learner=SimpleNamespace(weight_sync=SimpleNamespace(channel="folder")),
                           run=SimpleNamespace(dir=tmp_path))
     senders = weights.build_weight_senders(cfg)
     assert [s.channel for s in senders] == ["zmq", "folder"]

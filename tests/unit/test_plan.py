@@ -75,7 +75,7 @@ def test_gpu_actors_take_tensor_parallel_slices_of_their_gpu_list():
                                        "need 2 GPU ids, got 1"),
     ({"cluster": {"actor_gpus": [1, 1]}}, "cluster.actor_gpus: duplicate"),
     ({"learner": {"world_size": 2}}, "learner.world_size=2 but cluster.learner_gpus give 1"),
-    ({"cluster": {"actor_gpus": [0, 1]}, "learner": {"weight_sync": "nccl"}},
+    ({"cluster": {"actor_gpus": [0, 1]}, "learner": {"weight_sync": {"channel": "nccl"}}},
      "NCCL cannot connect two ranks on one GPU"),
 ])
 def test_bad_gpu_layouts_are_refused_naming_the_key(extra, needle):
@@ -87,10 +87,12 @@ def test_bad_gpu_layouts_are_refused_naming_the_key(extra, needle):
 def test_cpu_device_refuses_gpu_ids_and_nccl():
     with pytest.raises(ConfigError, match="cluster.actor_gpus is set but cluster.device=cpu"):
         plan(cfg_of(cluster={"actor_gpus": [0]}), CFG_PATH)
-    with pytest.raises(ConfigError, match="learner.weight_sync=nccl needs cluster.device=cuda"):
-        cfg_of(learner={"weight_sync": "nccl"})
+    nccl = {"weight_sync": {"channel": "nccl"}}
+    with pytest.raises(ConfigError,
+                       match="learner.weight_sync.channel=nccl needs cluster.device=cuda"):
+        cfg_of(learner=nccl)
     with pytest.raises(ConfigError, match="actors.engine=vllm"):
-        plan(gpu(learner={"weight_sync": "nccl"}, actors={"engine": "transformers"}), CFG_PATH)
+        plan(gpu(learner=nccl, actors={"engine": "transformers"}), CFG_PATH)
 
 
 def test_a_gpu_shared_by_learner_and_actor_is_allowed_over_zeromq_with_a_note():

@@ -16,7 +16,7 @@ import torch
 from actors.engines.vllm_weights import init_info_from, update_info_from
 from arpo_async.core import protocol as P
 from arpo_async.core.config import config_from_dict
-from arpo_async.core.config.learner import LearnerConfig
+from arpo_async.core.config.learner import WEIGHT_SYNC_CHANNELS
 from arpo_async.core.host import machine_id
 from arpo_async.core.transport.control import Encoded
 from arpo_async.core.weights import build_weight_senders
@@ -150,7 +150,8 @@ def test_the_learner_serves_zeromq_always_and_nccl_when_configured(monkeypatch):
 
 
 def cfg(sync="nccl"):
-    return config_from_dict({"cluster": {"device": "cuda"}, "learner": {"weight_sync": sync}})
+    return config_from_dict({"cluster": {"device": "cuda"},
+                             "learner": {"weight_sync": {"channel": sync}}})
 
 
 def test_every_channel_owns_its_messages_and_the_protocol_knows_them():
@@ -158,7 +159,7 @@ def test_every_channel_owns_its_messages_and_the_protocol_knows_them():
 
     from arpo_async.core.weights import CHANNELS
 
-    assert set(CHANNELS) == set(LearnerConfig.model_fields["weight_sync"].annotation.__args__)
+    assert set(CHANNELS) == set(WEIGHT_SYNC_CHANNELS)  # each channel has its settings class
     for name, channel in CHANNELS.items():
         home = importlib.import_module(channel.sender.__module__)
         assert home.CHANNEL is channel, name

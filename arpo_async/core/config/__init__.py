@@ -27,7 +27,7 @@ from arpo_async.core.config.actors import (
 )
 from arpo_async.core.config.base import ConfigError, _Section
 from arpo_async.core.config.cluster import ClusterConfig, RemoteActorsConfig, TransportConfig
-from arpo_async.core.config.learner import LearnerConfig
+from arpo_async.core.config.learner import WEIGHT_SYNC, LearnerConfig, NcclSync, ZmqSync
 from arpo_async.core.config.losses import LOSS, LOSS_TYPES, LossConfig, PPOLoss
 from arpo_async.core.config.run import MetricsConfig, ModelConfig, PipelineConfig, RunConfig
 from arpo_async.core.config.tools import (
@@ -46,7 +46,7 @@ __all__ = [
     "ActorsConfig", "ClusterConfig", "Config", "ConfigError", "LearnerConfig", "LOSS_TYPES",
     "LossConfig", "PPOLoss",
     "McpHttpServer", "McpStdioServer", "MetricsConfig", "ModelConfig", "PipelineConfig",
-    "PYTHON_STATES", "PythonSession", "PythonStateless",
+    "PYTHON_STATES", "PythonSession", "PythonStateless", "NcclSync", "ZmqSync",
     "RENAMED", "RemoteActorsConfig", "RolloutConfig",
     "RunConfig", "SamplingConfig", "SimConfig", "TaskConfig", "ToolsConfig",
     "TransportConfig", "config_from_dict", "describe", "load_config", "save_config",
@@ -87,8 +87,14 @@ RENAMED: dict[str, str] = {
                         ("python_session_idle_s", "session_idle_s (with state: session)"),
                         ("python_checkpoint_mb", "checkpoint_mb (with state: session)"))},
 }
+RENAMED.update({
+    "learner.weight_sync=zmq": "now a section; use learner.weight_sync.channel=zmq",
+    "learner.weight_sync=nccl": "now a section; use learner.weight_sync.channel=nccl",
+    "learner.nccl_buffer_mb": "moved; use learner.weight_sync.buffer_mb (with channel: nccl)",
+    "learner.nccl_timeout_s": "moved; use learner.weight_sync.timeout_s (with channel: nccl)",
+})
 # tagged unions by the field that holds them: the member's tag is dropped from error paths
-UNIONS = {"loss": LOSS, "python": PYTHON}
+UNIONS = {"loss": LOSS, "python": PYTHON, "weight_sync": WEIGHT_SYNC}
 
 
 class Config(_Section):
@@ -137,8 +143,8 @@ class Config(_Section):
             raise ValueError("cluster.remote_actors: set transport.control_port and "
                              "transport.trajectory_port to fixed ports (remote hosts are "
                              "started with them, and firewalls must allow them)")
-        if ln.weight_sync == "nccl" and self.cluster.device != "cuda":
-            raise ValueError("learner.weight_sync=nccl needs cluster.device=cuda")
+        if ln.weight_sync.channel == "nccl" and self.cluster.device != "cuda":
+            raise ValueError("learner.weight_sync.channel=nccl needs cluster.device=cuda")
         p = self.pipeline
         if p.enabled and p.sft and not (p.sft_time_s or p.sft_steps):
             raise ValueError("pipeline.sft needs pipeline.sft_time_s or pipeline.sft_steps > 0")

@@ -1,4 +1,5 @@
-"""The learner's section, ``learner`` (its ``learner.loss`` is in losses.py)."""
+"""The learner's section, ``learner`` (its ``learner.loss`` is in losses.py; its weight
+channel, ``learner.weight_sync``, is one class per channel here)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,31 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from arpo_async.core.config.base import _Section
+from arpo_async.core.config.base import Tagged, _Section
 from arpo_async.core.config.losses import LossConfig, PPOLoss, loss_section
+
+
+_CHANNEL = ("weights to actors (arpo_async/core/weights/): zmq, ZeroMQ copies (any host); "
+            "nccl, NCCL broadcast to vLLM GPU actors on the learner's node (others still use "
+            "ZeroMQ)")
+
+
+class ZmqSync(_Section):
+    channel: Literal["zmq"] = Field("zmq", description=_CHANNEL)
+
+
+class NcclSync(_Section):
+    channel: Literal["nccl"] = Field("nccl", description=_CHANNEL)
+    buffer_mb: int = Field(
+        1024, ge=1, description="packed broadcast buffer, MiB (two in flight)")
+    timeout_s: float = Field(
+        300.0, gt=0, description="abort an actor's transfer after this long, s")
+
+
+WEIGHT_SYNC_CHANNELS: dict[str, type[_Section]] = {"zmq": ZmqSync, "nccl": NcclSync}
+WEIGHT_SYNC = Tagged("learner.weight_sync", "channel", WEIGHT_SYNC_CHANNELS, "zmq",
+                     "weight channel")
+WeightSyncConfig = WEIGHT_SYNC.annotation
 
 
 class LearnerConfig(_Section):
@@ -60,13 +84,9 @@ class LearnerConfig(_Section):
         "versions behind, still generating (the long trajectories). They are trained first "
         "when they arrive; a group that has not arrived by then is dropped as stale on "
         "arrival, as with 0 (never wait)")
-    weight_sync: Literal["zmq", "nccl"] = Field(
-        "zmq", description="weights to actors: ZeroMQ copies (any host), or NCCL broadcast to "
-        "vLLM GPU actors on the learner's node (others still use ZeroMQ)")
-    nccl_buffer_mb: int = Field(
-        1024, ge=1, description="NCCL weight sync: packed broadcast buffer, MiB (two in flight)")
-    nccl_timeout_s: float = Field(
-        300.0, gt=0, description="NCCL weight sync: abort an actor's transfer after this long, s")
+    weight_sync: WeightSyncConfig = Field(
+        default_factory=lambda: ZmqSync(), description="the weight channel to the actors "
+        "(learner.weight_sync.channel: zmq or nccl, each with its own keys)")
     attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "eager"] = Field(
         "auto", description="learner attention kernel (auto: flash_attention_2 on GPU when "
         "flash-attn is installed and dtype is 16-bit, else sdpa)")
@@ -100,6 +120,8 @@ class LearnerConfig(_Section):
     def _loss_type(cls, data):
         if isinstance(data, dict) and "loss" in data:
             data = {**data, "loss": loss_section(data["loss"])}
+        if isinstance(data, dict) and "weight_sync" in data:
+            data = {**data, "weight_sync": WEIGHT_SYNC.section(data["weight_sync"])}
         return data
 
     @model_validator(mode="after")

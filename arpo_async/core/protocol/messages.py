@@ -64,7 +64,7 @@ class AckReason(str, Enum):
 
     HELLO_REQUIRED = "hello_required"  # the learner has not met this actor process
     BAD_REQUEST = "bad_request"  # a negative actor id or count: refused, counted
-    NO_FAST_WEIGHTS = "no_fast_weights"  # NCCL weights asked of a learner.weight_sync=zmq run
+    NO_FAST_WEIGHTS = "no_fast_weights"  # NCCL weights asked of a zmq-only run
 
 
 class ExitCode(IntEnum):

@@ -4,7 +4,7 @@ A channel is one room: its control messages (dataclasses with a ``KIND``, regist
 the protocol by ``register_messages``; a field named in ``TENSORS`` carries a dict of
 torch tensors as raw frames, each with its own dtype, by the wire's one rule), the
 learner's side (a ``WeightSender``) and the actor's side (a ``WeightReceiver``), and a
-``Channel`` entry that says how each side is built. ``learner.weight_sync`` names the
+``Channel`` entry that says how each side is built. ``learner.weight_sync.channel`` names the
 channel (this package's ``CHANNELS``); ZeroMQ is always served too, as every actor's
 fallback.
 
@@ -75,7 +75,7 @@ ReceiverFactory = Callable[[Any, Requester, Any, int, WeightReceiver],
 
 @dataclass(frozen=True)
 class Channel:
-    """One weight channel: its name (a ``learner.weight_sync`` value), its messages, and
+    """One weight channel: its name (a ``learner.weight_sync.channel`` value), its messages, and
     how each side is built (``sender(cfg)`` raises with what is missing)."""
 
     name: str

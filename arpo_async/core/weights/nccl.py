@@ -1,4 +1,4 @@
-"""The NCCL weight channel (``learner.weight_sync=nccl``): vLLM GPU actors on the
+"""The NCCL weight channel (``learner.weight_sync.channel=nccl``): vLLM GPU actors on the
 learner's own machine.
 
 Why: over ZeroMQ every actor receives a full copy through a socket, writes it to a file
@@ -23,7 +23,7 @@ The sender thread runs one transfer at a time. It copies the published host snap
 (the same host tensors ZeroMQ serves) into two GPU staging buffers on a copy stream and
 broadcasts each packed chunk on an NCCL stream, so the training stream is never blocked.
 Chunks follow vLLM's packing rule (``plan_chunks``), which the receiving workers apply to
-the header. A transfer that does not finish within ``learner.nccl_timeout_s`` (the actor
+the header. A transfer that does not finish within ``learner.weight_sync.timeout_s`` (the actor
 died) is aborted with ``ncclCommAbort`` and the actor's group is forgotten: it falls back
 to ZeroMQ or, after a restart, joins again. On the actor, a learner that dropped the
 group turns it to ZeroMQ for good; a transfer that never completes leaves the workers
@@ -197,18 +197,19 @@ class NcclWeightSender:
 
     @classmethod
     def create(cls, cfg) -> NcclWeightSender:
-        """For ``learner.weight_sync=nccl``; raises with what is missing."""
+        """For ``learner.weight_sync.channel=nccl``; raises with what is missing."""
         try:  # torch, vllm: the NCCL path only (vllm from the gpu extra)
             import torch
             from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator  # noqa
         except ImportError as exc:
-            raise RuntimeError(f"learner.weight_sync=nccl needs vLLM (its NCCL wrapper) in the "
-                               f"learner's environment: {exc}") from None
+            raise RuntimeError(f"learner.weight_sync.channel=nccl needs vLLM (its NCCL "
+                               f"wrapper) in the learner's environment: {exc}") from None
         if not torch.cuda.is_available():
-            raise RuntimeError("learner.weight_sync=nccl needs CUDA in the learner process; "
-                               "use learner.weight_sync=zmq on machines without GPUs")
+            raise RuntimeError("learner.weight_sync.channel=nccl needs CUDA in the learner "
+                               "process; use learner.weight_sync.channel=zmq on machines "
+                               "without GPUs")
         return cls(int(os.environ.get("LOCAL_RANK", "0")),
-                   cfg.learner.nccl_buffer_mb * 2**20, cfg.learner.nccl_timeout_s)
+                   cfg.learner.weight_sync.buffer_mb * 2**20, cfg.learner.weight_sync.timeout_s)
 
     # ------------------------------------------------------------- control thread
     def publish(self, version: int, tensors: dict) -> None:
@@ -445,11 +446,11 @@ def _sender(cfg: Any) -> NcclWeightSender:
 async def _receiver(cfg: Any, control: Requester, engine: Any, actor_id: int,
                     fallback: WeightReceiver) -> WeightReceiver | None:
     if not hasattr(engine, "receive_weights_nccl"):
-        log.warning("actor %d: learner.weight_sync=nccl, but the %s engine cannot receive "
+        log.warning("actor %d: learner.weight_sync.channel=nccl, but the %s engine cannot receive "
                     "over NCCL; using ZeroMQ", actor_id, cfg.actors.engine)
         return None
     return await NcclWeightReceiver.join(control, engine, actor_id, fallback,
-                                         cfg.learner.nccl_timeout_s)
+                                         cfg.learner.weight_sync.timeout_s)
 
 
 CHANNEL = Channel("nccl", MESSAGES, _sender, _receiver)

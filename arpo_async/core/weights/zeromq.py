@@ -1,4 +1,4 @@
-"""The ZeroMQ weight channel (``learner.weight_sync=zmq``; any actor on any machine, and
+"""The ZeroMQ weight channel (``learner.weight_sync.channel=zmq``; any actor on any machine, and
 the fallback of every other channel): full weights over the control channel.
 
 - learner: each published version is encoded once (a msgpack header plus one raw frame
