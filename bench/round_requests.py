@@ -108,7 +108,7 @@ async def main_async(args) -> dict:
             tree = base.model_dump(mode="json")
             tree["model"]["path"] = str(args.model)
             tree["task"].update(name="file", data=str(data / "rl.jsonl"))
-            tree["tools"]["retriever_url"] = url
+            tree["tools"]["search"]["retriever_url"] = url
             tree["sampling"]["topk_window_only"] = window_only
             return config_from_dict(tree)
 

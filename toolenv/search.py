@@ -124,9 +124,9 @@ class SearchTool:
 
     @classmethod
     def from_config(cls, cfg, run_dir: str | Path, cache_dir: str | Path) -> SearchTool:
-        """The tool of a ``tools`` section."""
-        return cls(cfg.retriever_url, topk=cfg.search_topk,
-                   snippet_chars=cfg.search_snippet_chars)
+        """The tool of a ``tools`` section (its ``search`` section)."""
+        s = cfg.search
+        return cls(s.retriever_url, topk=s.topk, snippet_chars=s.snippet_chars)
 
     def __init__(
         self, url: str, topk: int = 3, snippet_chars: int = 200, session_timeout_s: float = 10

@@ -10,7 +10,7 @@ off): real vLLM actors, the DeepSpeed learner, the sandboxed Python tool and the
 retriever over the synthetic suite's corpus, from the tiny model after ``--sft-steps``
 of cold-start SFT (so that it calls tools; 0: the untrained tiny model). The soak
 starts the retriever itself, on a fixed port behind a delaying proxy (``tools.
-retriever_url`` points at the proxy), and the launcher in its own session. From the
+search.retriever_url`` points at the proxy), and the launcher in its own session. From the
 first learner step for ``--duration-s`` (``run.time_limit_s``, learner time, is that
 plus ``--startup-s``: the learner's clock starts before the actors are up) it
 injects a fault every ``--fault-every-s`` on average (uniform 0.5x-1.5x), of a kind drawn
@@ -149,16 +149,16 @@ class Soak:
         if self.args.sft_steps > 0:
             model = self._sft(model)
         extra.append(f"model.path={model}")
-        if "search" in self.cfg.tools.enabled and not self.cfg.tools.retriever_url:
+        if "search" in self.cfg.tools.enabled and not self.cfg.tools.search.retriever_url:
             if data is None:
-                raise SystemExit("tools.enabled has search: give tools.retriever_url or "
+                raise SystemExit("tools.enabled has search: give tools.search.retriever_url or "
                                  "task.name=file (the suite's corpus)")
             self.retriever = F.Retriever(Path(data["dir"]) / "corpus.jsonl",
                                          free_port("127.0.0.1"),
                                          self.run_dir / "logs" / "retriever.log", self.env)
             self.retriever.start()
             self.proxy = F.DelayProxy(self.retriever.port).start()
-            extra.append(f"tools.retriever_url=http://127.0.0.1:{self.proxy.port}/retrieve")
+            extra.append(f"tools.search.retriever_url=http://127.0.0.1:{self.proxy.port}/retrieve")
         return extra
 
     def _sft(self, base: str) -> str:

@@ -66,9 +66,10 @@ def eval_config(cfg: Config, data: str | Path, k: int, temperature: float | None
         tree["actors"]["engine"] = engine
     tools = tree["tools"]
     if retriever_url:
-        tools["retriever_url"] = retriever_url
+        tools["search"]["retriever_url"] = retriever_url
     if not tools["enabled"] and not tools["custom"]:
-        tools["enabled"] = ["python", "search"] if tools["retriever_url"] else ["python"]
+        tools["enabled"] = (["python", "search"] if tools["search"]["retriever_url"]
+                            else ["python"])
     return config_from_dict(tree)
 
 

@@ -91,8 +91,8 @@ def build_data(cfg: Config) -> dict:
         raise ConfigError(f"task.data: {cfg.task.data} is not the RL split of pipeline.data_dir "
                           f"({out}/rl.jsonl)")
     spec = SuiteSpec(seed=cfg.task.seed, entities=p.suite_entities, sft=p.suite_sft,
-                     rl=p.suite_rl, heldout=p.suite_heldout, topk=cfg.tools.search_topk,
-                     snippet_chars=cfg.tools.search_snippet_chars, direct=p.suite_direct,
+                     rl=p.suite_rl, heldout=p.suite_heldout, topk=cfg.tools.search.topk,
+                     snippet_chars=cfg.tools.search.snippet_chars, direct=p.suite_direct,
                      search_noise=p.suite_noise, python_slips=p.suite_slips,
                      recover=p.suite_recover)
     meta_path = out / "meta.json"
@@ -142,7 +142,7 @@ def run_rl(cfg: Config, run_dir: Path, sft_path: str, retriever_url: str, quiet:
     started = (run_dir / "config.yaml").exists()
     args = LaunchRequest(resume=str(run_dir) if started else None, quiet=quiet)
     if retriever_url:
-        args.overrides.append(f"tools.retriever_url={retriever_url}")
+        args.overrides.append(f"tools.search.retriever_url={retriever_url}")
     if not started:
         rl_cfg = cfg.model_copy(deep=True)
         rl_cfg.model.path = sft_path
@@ -256,7 +256,7 @@ def run(args) -> int:
     else:
         start_model = model["path"]
     with contextlib.ExitStack() as stack:
-        url = cfg.tools.retriever_url
+        url = cfg.tools.search.retriever_url
         if "search" in cfg.tools.enabled and not url:
             corpus = Path(data["dir"]) / "corpus.jsonl"
             url = stack.enter_context(RetrieverProcess(corpus, **suite_noise(corpus))).url

@@ -220,7 +220,7 @@ def write_suite(out_dir: str | Path, spec: SuiteSpec = SuiteSpec(), concurrency:
     traces = asyncio.run(build_traces(tasks["sft"], tools, concurrency, direct.tolist(), demos))
     write_jsonl(out / "sft.jsonl", traces)
     meta = {"spec": asdict(spec), "system_prompt": SYSTEM_PROMPT,
-            "tools": {"search_topk": spec.topk, "search_snippet_chars": spec.snippet_chars},
+            "tools": {"search": {"topk": spec.topk, "snippet_chars": spec.snippet_chars}},
             "counts": {"corpus": len(docs), **{s: len(t) for s, t in tasks.items()},
                        "sft_direct": int(direct.sum()),
                        "sft_wrong_results": sum(t["wrong_results"] for t in traces),

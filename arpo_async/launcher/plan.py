@@ -292,9 +292,9 @@ def _path_notes(cfg: Config) -> list[str]:
         notes.append(f"task.data={cfg.task.data} does not exist here; it must exist where "
                      "the actors run")
     if "search" in cfg.tools.enabled:
-        notes.append(f"tools: search calls {cfg.tools.retriever_url or '(no retriever_url)'}; "
-                     "start a retriever there first (python -m toolenv serve-retriever, or "
-                     "your own)")
+        url = cfg.tools.search.retriever_url or "(no tools.search.retriever_url)"
+        notes.append(f"tools: search calls {url}; start a retriever there first (python -m "
+                     "toolenv serve-retriever, or your own)")
     return notes
 
 

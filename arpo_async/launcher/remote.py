@@ -45,7 +45,7 @@ from arpo_async.core.transport.control import ControlClient, TransportTimeout
 log = logging.getLogger("arpo_async.launcher.remote")
 
 HOST_LOCAL_KEYS = (
-    "model.path", "task.data", "tools.cache_dir", "tools.retriever_url", "actors.threads",
+    "model.path", "task.data", "tools.cache_dir", "tools.search.retriever_url", "actors.threads",
     "actors.kv_cache_gib", "actors.gpu_memory_utilization", "actors.tensor_parallel",
     "actors.enable_prefix_caching", "actors.cuda_graphs", "actors.concurrent_groups",
     "actors.max_inflight_trajectories",

@@ -156,6 +156,18 @@ def test_the_weight_channel_is_a_section_whose_keys_follow_its_channel():
         load_config(SPINE_CONFIG, ["learner.nccl_timeout_s=60"])
 
 
+def test_the_search_tool_has_its_own_section():
+    cfg = load_config(SPINE_CONFIG, ["tools.search.retriever_url=http://h:1/retrieve",
+                                     "tools.search.topk=5"])
+    assert (cfg.tools.search.retriever_url, cfg.tools.search.topk) == ("http://h:1/retrieve", 5)
+    assert load_config().tools.search.snippet_chars == 160  # configs/default.yaml
+    with pytest.raises(ConfigError, match=r"^tools.retriever_url: moved; use "
+                                          r"tools.search.retriever_url"):
+        load_config(SPINE_CONFIG, ["tools.retriever_url=http://h:1/retrieve"])
+    with pytest.raises(ConfigError, match=r"^tools.search.topk: Input should be greater"):
+        load_config(SPINE_CONFIG, ["tools.search.topk=0"])
+
+
 def test_each_wait_and_backoff_has_its_own_key():
     cfg = load_config(SPINE_CONFIG, ["actors.restart_backoff_s=1", "learner.restart_backoff_s=7",
                                      "transport.request_timeout_s=3", "actors.stop_wait_s=11",

@@ -150,7 +150,7 @@ def test_write_suite_is_byte_identical_for_the_same_seed(suite, tmp_path):
     for name in ("corpus.jsonl", "sft.jsonl", "rl.jsonl", "heldout.jsonl"):
         assert (suite / name).read_bytes() == (tmp_path / name).read_bytes(), name
     meta = json.loads((suite / "meta.json").read_text())
-    assert meta["tools"] == {"search_topk": SMALL.topk, "search_snippet_chars": SMALL.snippet_chars}
+    assert meta["tools"] == {"search": {"topk": SMALL.topk, "snippet_chars": SMALL.snippet_chars}}
 
 
 @pytest.mark.integration

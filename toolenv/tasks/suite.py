@@ -88,8 +88,8 @@ class SuiteSpec:
     sft: int = 3000  # SFT traces
     rl: int = 2000  # RL prompts
     heldout: int = 300  # held-out evaluation prompts
-    topk: int = 1  # search results shown per query (tools.search_topk)
-    snippet_chars: int = 160  # characters kept per result (tools.search_snippet_chars)
+    topk: int = 1  # search results shown per query (tools.search.topk)
+    snippet_chars: int = 160  # characters kept per result (tools.search.snippet_chars)
     # Share of SFT traces whose demonstrator answers from memory, without a tool (right on
     # its own entities, a guess on anyone else's): an imperfect cold start that RL has to
     # correct by learning when to look things up.

@@ -37,6 +37,7 @@ from arpo_async.core.config.tools import (
     McpStdioServer,
     PythonSession,
     PythonStateless,
+    SearchConfig,
     TaskConfig,
     ToolsConfig,
 )
@@ -46,7 +47,7 @@ __all__ = [
     "ActorsConfig", "ClusterConfig", "Config", "ConfigError", "LearnerConfig", "LOSS_TYPES",
     "LossConfig", "PPOLoss",
     "McpHttpServer", "McpStdioServer", "MetricsConfig", "ModelConfig", "PipelineConfig",
-    "PYTHON_STATES", "PythonSession", "PythonStateless", "NcclSync", "ZmqSync",
+    "PYTHON_STATES", "PythonSession", "PythonStateless", "NcclSync", "ZmqSync", "SearchConfig",
     "RENAMED", "RemoteActorsConfig", "RolloutConfig",
     "RunConfig", "SamplingConfig", "SimConfig", "TaskConfig", "ToolsConfig",
     "TransportConfig", "config_from_dict", "describe", "load_config", "save_config",
@@ -88,6 +89,10 @@ RENAMED: dict[str, str] = {
                         ("python_checkpoint_mb", "checkpoint_mb (with state: session)"))},
 }
 RENAMED.update({
+    "tools.retriever_url": "moved; use tools.search.retriever_url (the search tool's own "
+    "section)",
+    "tools.search_topk": "moved; use tools.search.topk",
+    "tools.search_snippet_chars": "moved; use tools.search.snippet_chars",
     "learner.weight_sync=zmq": "now a section; use learner.weight_sync.channel=zmq",
     "learner.weight_sync=nccl": "now a section; use learner.weight_sync.channel=nccl",
     "learner.nccl_buffer_mb": "moved; use learner.weight_sync.buffer_mb (with channel: nccl)",

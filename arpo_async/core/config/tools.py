@@ -1,6 +1,6 @@
 """The task and tool sections: ``task`` (prompt source) and ``tools`` (with its MCP
-server entries, ``tools.mcp``, and the python tool's own section, ``tools.python``: one
-class per ``state``)."""
+server entries, ``tools.mcp``, and each built-in tool's own section: ``tools.search``, and
+``tools.python``, one class per ``state``)."""
 
 from __future__ import annotations
 
@@ -73,6 +73,16 @@ def _mcp_entries(entries: Any) -> list[McpStdioServer | McpHttpServer]:
         seen.add(server.name)
         out.append(server)
     return out
+
+
+class SearchConfig(_Section):
+    """``tools.search``: the search tool's keys."""
+
+    retriever_url: str = Field(
+        "", description="retriever endpoint (POST /retrieve; the pipeline starts a local one "
+        "over its corpus when empty)")
+    topk: int = Field(3, ge=1, description="snippets per search")
+    snippet_chars: int = Field(200, ge=1, description="characters kept per snippet")
 
 
 class _PythonBase(_Section):
@@ -154,9 +164,8 @@ class ToolsConfig(_Section):
         "that died; doubles per failed attempt, at most tools.mcp_restart_max_s")
     mcp_restart_max_s: float = Field(
         30.0, ge=0, description="longest wait between reconnection attempts, seconds")
-    retriever_url: str = Field("", description="retriever endpoint (POST /retrieve)")
-    search_topk: int = Field(3, description="snippets per search")
-    search_snippet_chars: int = Field(200, description="characters kept per snippet")
+    search: SearchConfig = Field(
+        default_factory=lambda: SearchConfig(), description="the search tool's settings")
 
     @field_validator("custom")
     @classmethod
