@@ -97,9 +97,9 @@ def learner_times(args, model: str, groups) -> dict:
     torch.set_num_threads(1)
     init_distributed()
     samples, _ = samples_from_groups(groups, "soft")
-    variants = {"recompute": {"proximal": "recompute", "is_mode": "truncate"},
-                "bypass": {"proximal": "bypass", "is_mode": "truncate"},
-                "plain_ppo": {"proximal": "bypass", "is_mode": "off"}}
+    variants = {"recompute": {"proximal": "recompute", "importance": {"mode": "truncate"}},
+                "bypass": {"proximal": "bypass", "importance": {"mode": "truncate"}},
+                "plain_ppo": {"proximal": "bypass", "importance": {"mode": "off"}}}
     out = {"leaves": len(samples), "tokens": sum(s.num_tokens for s in samples)}
     for name, loss in variants.items():
         cfg = config_from_dict({"learner": {"loss": loss, "lr": 1e-5}})

@@ -13,9 +13,9 @@ Three policies, named as in AReaL's decoupled PPO loss:
 Per token copy t of sequence i (docs/design.md, "The importance-corrected loss"):
 
     log r_t = clamp(logpi_t - prox_t, -20, 20)
-    w_t = min(exp(prox_t - mu_t), C)                       is_mode "truncate"
-        = 1[lo <= exp(prox_t - mu_t) <= hi]                is_mode "mask"
-        = 1                                                is_mode "off"
+    w_t = min(exp(prox_t - mu_t), C)                       importance.mode "truncate"
+        = 1[lo <= exp(prox_t - mu_t) <= hi]                importance.mode "mask"
+        = 1                                                importance.mode "off"
     o_t = the loss type's objective (to maximise): ppo.py, gspo.py, ...
     L   = -agg(m w o) + kl_coef agg(m k3) - entropy_coef agg(m H)
     agg(x) = sum_t x_t / Z                                   unit "token"
@@ -177,10 +177,11 @@ def importance_weight(prox: torch.Tensor, mu: torch.Tensor, s
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """(w_t, raw exp(prox - mu)); both without gradient."""
     raw = torch.exp((prox - mu).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
-    if s.is_mode == "truncate":
-        return raw.clamp(max=s.is_cap), raw
-    if s.is_mode == "mask":
-        return ((raw >= s.is_mask_low) & (raw <= s.is_mask_high)).to(raw.dtype), raw
+    imp = s.importance  # learner.loss.importance: its mode's keys
+    if imp.mode == "truncate":
+        return raw.clamp(max=imp.cap), raw
+    if imp.mode == "mask":
+        return ((raw >= imp.low) & (raw <= imp.high)).to(raw.dtype), raw
     return torch.ones_like(raw), raw
 
 
@@ -228,8 +229,9 @@ def aggregate(x: torch.Tensor, m: torch.Tensor, seq: Sequences | None, unit: str
 def ratio_metrics(r: torch.Tensor, log_r: torch.Tensor, w: torch.Tensor,
                   raw_w: torch.Tensor, m: torch.Tensor, count: float, s) -> dict[str, float]:
     """The token ratio's and the IS weight's metrics, the same for every loss type."""
-    dropped = (w == 0).float() if s.is_mode == "mask" else torch.zeros_like(r)
-    truncated = (raw_w > s.is_cap).float() if s.is_mode == "truncate" else torch.zeros_like(r)
+    imp = s.importance
+    dropped = (w == 0).float() if imp.mode == "mask" else torch.zeros_like(r)
+    truncated = (raw_w > imp.cap).float() if imp.mode == "truncate" else torch.zeros_like(r)
     return {
         "is_weight_mean": masked_mean(w, m, count),
         "is_weight_max": masked_max(w, m),

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.integration]
 LR = 0.02
 OVERRIDES = ["learner.lr=0.02", "learner.min_micro_batches=2", "learner.minibatches=4",
              "learner.batch_groups=4", "learner.loss.proximal=recompute",
-             "learner.loss.dual_clip=3.0", "learner.loss.is_mode=truncate",
+             "learner.loss.dual_clip=3.0", "learner.loss.importance.mode=truncate",
              "learner.max_tokens_per_microbatch=0", "learner.logprob_chunk_tokens=16"]
 
 

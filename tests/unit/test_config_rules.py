@@ -12,7 +12,8 @@ from arpo_async.core.config import SPINE_CONFIG, ConfigError, describe, load_con
     (["rollout.group_size=1", "rollout.initial_samples=1"],
      "rollout.group_size=1: advantages are normalised"),
     (["sampling.top_p=0.9"], "sampling.top_p=0.9: the actor records log-probs renormalised"),
-    (["sampling.top_p=0.9", "learner.loss.is_mode=off", "learner.loss.proximal=recompute"],
+    (["sampling.top_p=0.9", "learner.loss.importance.mode=off",
+      "learner.loss.proximal=recompute"],
      "sampling.top_p=0.9"),
     (["learner.loss.dual_clip=0.5"], "learner.loss.dual_clip: must be 0 (off) or > 1, got 0.5"),
 ])
@@ -38,18 +39,19 @@ def test_the_launcher_refuses_at_start(tmp_path, capsys):
 
 
 def test_what_is_allowed():
-    cfg = load_config(SPINE_CONFIG, ["sampling.top_p=0.9", "learner.loss.is_mode=off",
+    cfg = load_config(SPINE_CONFIG, ["sampling.top_p=0.9", "learner.loss.importance.mode=off",
                                      "learner.loss.proximal=bypass", "rollout.group_size=2",
                                      "rollout.initial_samples=2"])
     cfg.check_trainable()
-    assert cfg.learner.loss.is_mode == "off" and cfg.rollout.group_size == 2
+    assert cfg.learner.loss.importance.mode == "off" and cfg.rollout.group_size == 2
 
 
 def test_off_is_a_word_and_on_is_still_a_boolean(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("learner:\n  loss:\n    is_mode: off\n")
-    assert load_config(path).learner.loss.is_mode == "off"
-    assert load_config(SPINE_CONFIG, ["learner.loss.is_mode=off"]).learner.loss.is_mode == "off"
+    path.write_text("learner:\n  loss:\n    importance: {mode: off}\n")
+    assert load_config(path).learner.loss.importance.mode == "off"
+    off = load_config(SPINE_CONFIG, ["learner.loss.importance.mode=off"])
+    assert off.learner.loss.importance.mode == "off"
     assert load_config(SPINE_CONFIG, ["run.probe_logprobs=on"]).run.probe_logprobs is True
     assert load_config(SPINE_CONFIG, ["run.probe_logprobs=false"]).run.probe_logprobs is False
 
@@ -100,10 +102,21 @@ def test_the_loss_type_is_chosen_by_type_and_defaults_to_ppo():
         load_config(SPINE_CONFIG, ["learner.loss.type=nope"])
     with pytest.raises(ConfigError, match=r"^learner.loss.eps_hgh: unknown key$"):
         load_config(SPINE_CONFIG, ["learner.loss.eps_hgh=0.3"])
-    with pytest.raises(ConfigError, match=r"^learner.loss.is_cap: Input should be greater"):
-        load_config(SPINE_CONFIG, ["learner.loss.is_cap=0"])
+    with pytest.raises(ConfigError, match=r"^learner.loss.importance.cap: Input should be "
+                                          r"greater"):
+        load_config(SPINE_CONFIG, ["learner.loss.importance.cap=0"])
+    with pytest.raises(ConfigError, match=r"^learner.loss.importance.low: a key of importance "
+                                          r"mode mask, not of truncate$"):
+        load_config(SPINE_CONFIG, ["learner.loss.importance.low=0.1"])
+    with pytest.raises(ConfigError, match=r"^learner.loss.is_mode: moved; use "
+                                          r"learner.loss.importance.mode$"):
+        load_config(SPINE_CONFIG, ["learner.loss.is_mode=mask"])
+    with pytest.raises(ConfigError, match=r"learner.loss.importance.low 2.0 > high 1.0"):
+        load_config(SPINE_CONFIG, ["learner.loss.importance.mode=mask",
+                                   "learner.loss.importance.low=2",
+                                   "learner.loss.importance.high=1"])
     lines = "\n".join(describe())
-    assert "learner.loss.type = 'ppo'" in lines and "learner.loss.is_mode" in lines
+    assert "learner.loss.type = 'ppo'" in lines and "learner.loss.importance.mode" in lines
 
 
 def test_the_python_tool_has_its_own_section_whose_keys_follow_its_state(tmp_path):

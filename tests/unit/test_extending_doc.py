@@ -61,7 +61,7 @@ def reinforce(monkeypatch):
 
 
 def test_the_loss_example_is_a_loss_type_exact_on_trees(reinforce):
-    s = reinforce(proximal="recompute", is_mode="truncate", is_cap=1.02)
+    s = reinforce(proximal="recompute", importance={"mode": "truncate", "cap": 1.02})
     assert s.type == "reinforce" and s.model_fields["type"].description
 
     @EXAMPLES

@@ -132,7 +132,7 @@ def test_every_loss_type_is_exact_on_trees(case, gs):
     """Groups of different versions (each group's behaviour log-probs its own), forks,
     tool tokens inside shared segments; recompute with a truncated IS weight."""
     kind, mode, proximal, keys = case
-    s = loss(kind, proximal=proximal, is_mode="truncate", is_cap=1.02, **keys)
+    s = loss(kind, proximal=proximal, importance={"mode": "truncate", "cap": 1.02}, **keys)
     samples, _ = samples_from_groups(gs, mode)
     z, table = _z(samples, kind), TableLM()
     ref = padded(table, samples, s, proximal == "recompute", z)
@@ -236,7 +236,7 @@ def _value_and_grad(fn, logpi, *args):
 def test_gspo_is_the_papers_sequence_objective(eps):
     """Value and gradient equal the paper's per-sequence formula, whether the sequence
     ratios are clipped (the paper's 3e-4 / 4e-4: nearly all are) or not."""
-    s = loss("gspo", eps_low=min(eps[0], 0.99), eps_high=eps[1], is_mode="off")
+    s = loss("gspo", eps_low=min(eps[0], 0.99), eps_high=eps[1], importance={"mode": "off"})
     for equal in (True, False):
         x = _rows(3, 6, 7, equal)
         want = _value_and_grad(gspo_paper, *x, min(eps[0], 0.99), eps[1])
@@ -250,7 +250,7 @@ def test_gspo_against_verl_and_areal():
     sequence, as GRPO's). AReaL: equal
     when every sequence has the same length, different otherwise (it weighs a sequence
     by its length: a token mean over the batch)."""
-    s = loss("gspo", eps_low=0.1, eps_high=0.1, is_mode="off")
+    s = loss("gspo", eps_low=0.1, eps_high=0.1, importance={"mode": "off"})
     for equal in (True, False):
         x = _rows(5, 5, 6, equal)
         ours = _value_and_grad(lambda *a: _ours(*a, s), *x)
@@ -275,7 +275,7 @@ def test_gspo_hand_values():
     value, metrics = policy_loss(LossInputs(
         logprobs=logpi, behaviour_logprobs=mu, proximal_logprobs=None, advantages=adv,
         loss_mask=mask, seq_ids=torch.tensor([[0, 0], [1, 1]])),
-        loss("gspo", eps_low=0.1, eps_high=0.1, is_mode="off"))
+        loss("gspo", eps_low=0.1, eps_high=0.1, importance={"mode": "off"}))
     assert float(value) == pytest.approx(want, rel=1e-12)
     value.backward()
     assert float(logpi.grad.abs().sum()) == 0.0  # both sequences clipped: no gradient
@@ -321,7 +321,7 @@ def test_cispo_is_the_papers_objective_and_verls(eps):
     """Value and gradient equal the paper's formula and verl's implementation, with no
     lower bound (the paper's), a narrow one, and a zero-width clip (a weight of exactly 1:
     plain REINFORCE)."""
-    s = loss("cispo", eps_low=eps[0], eps_high=eps[1], is_mode="off")
+    s = loss("cispo", eps_low=eps[0], eps_high=eps[1], importance={"mode": "off"})
     for equal in (True, False):
         x = _rows(7, 5, 6, equal)
         ours = _value_and_grad(lambda *a: _ours(*a, s), *x)
@@ -342,7 +342,8 @@ def test_cispo_keeps_the_gradient_ppo_clips():
     for kind in ("ppo", "cispo"):
         logpi.grad = None
         value, metrics = policy_loss(LossInputs(logprobs=logpi, **inputs),
-                                     loss(kind, eps_low=0.2, eps_high=0.2, is_mode="off"))
+                                     loss(kind, eps_low=0.2, eps_high=0.2,
+                                          importance={"mode": "off"}))
         value.backward()
         grads[kind] = float(logpi.grad[0])
         assert metrics["clip_frac_high"] == 1.0, kind

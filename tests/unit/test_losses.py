@@ -75,14 +75,14 @@ def test_truncated_and_masked_importance_weights_hand_values():
     prox = [0.0, 0.0]
     mu = [-math.log(3.0), -math.log(1.5)]
     inp = _inputs([0.0, 0.0], mu, [1.0, 1.0], prox=prox)
-    loss, m = policy_loss(inp, PPOLoss(is_mode="truncate", is_cap=2.0))
+    loss, m = policy_loss(inp, PPOLoss(importance={"mode": "truncate", "cap": 2.0}))
     assert _v(loss) == pytest.approx(-(2.0 + 1.5) / 2)
     assert m["is_weight_max"] == pytest.approx(2.0) and m["is_truncated_frac"] == 0.5
     assert m["is_raw_weight_max"] == pytest.approx(3.0)
-    loss, m = policy_loss(inp, PPOLoss(is_mode="mask", is_mask_low=0.5, is_mask_high=2.0))
+    loss, m = policy_loss(inp, PPOLoss(importance={"mode": "mask", "low": 0.5, "high": 2.0}))
     assert _v(loss) == pytest.approx(-(0.0 + 1.0) / 2)  # masked token stays in Z
     assert m["is_masked_frac"] == 0.5
-    loss, _ = policy_loss(inp, PPOLoss(is_mode="off"))
+    loss, _ = policy_loss(inp, PPOLoss(importance={"mode": "off"}))
     assert _v(loss) == pytest.approx(-1.0)
 
 
@@ -124,8 +124,8 @@ def test_errors_name_the_field():
         policy_loss(inp, PPOLoss(), normaliser=0)
     with pytest.raises(ValueError, match="dual_clip"):
         PPOLoss(dual_clip=0.5)
-    with pytest.raises(ValueError, match="is_mode"):
-        PPOLoss(is_mode="clip")
+    with pytest.raises(ValueError, match="importance.mode"):
+        PPOLoss(importance={"mode": "clip"})
 
 
 def test_from_config_and_empty_mask():
@@ -169,8 +169,11 @@ def _reference(logpi, mu, prox, adv, mask, ref, ent, s: PPOLoss, norm=None):
         a = adv[t] * (1 + s.aepo_entropy_adv_gamma * (float(ent[t].detach()) - mean_h) / std_h) \
             if s.aepo_entropy_adv_gamma else adv[t]
         raw = math.exp(prox[t] - mu[t])
-        w = {"truncate": min(raw, s.is_cap), "off": 1.0,
-             "mask": 1.0 if s.is_mask_low <= raw <= s.is_mask_high else 0.0}[s.is_mode]
+        imp = s.importance
+        if imp.mode == "truncate":
+            w = min(raw, imp.cap)
+        else:
+            w = 1.0 if imp.mode == "off" or imp.low <= raw <= imp.high else 0.0
         r = torch.exp(logpi[t] - prox[t])
         hi = 1 + s.eps_high
         if s.aepo_entropy_clip and float(r.detach()) > hi:
@@ -201,7 +204,7 @@ def test_matches_per_token_reference(seed, n, is_mode, aepo_clip, dual, gamma, k
     logpi = (mu if bypass else prox) + g.normal(0, 0.5, n)
     adv, mask = g.normal(0, 1, n), (g.random(n) < 0.8).astype(float)
     ref, ent = mu + g.normal(0, 0.3, n), g.random(n) * 3
-    s = PPOLoss(is_mode=is_mode, aepo_entropy_clip=aepo_clip, dual_clip=dual,
+    s = PPOLoss(importance={"mode": is_mode}, aepo_entropy_clip=aepo_clip, dual_clip=dual,
                      aepo_entropy_adv_gamma=gamma, kl_coef=kl, entropy_coef=0.01)
     inp = _inputs(logpi.tolist(), mu.tolist(), adv.tolist(), mask.tolist(),
                   None if prox is None else prox.tolist(), ref.tolist(), None)
@@ -243,7 +246,7 @@ def test_lockstep_reduces_to_ppo_grpo(seed, n, start, is_mode):
     logpi = old.copy() if start else old + g.normal(0, 0.4, n)
     adv, mask = g.normal(0, 1, n), np.ones(n)
     inp = _inputs(logpi.tolist(), old.tolist(), adv.tolist(), mask.tolist(), prox=old.tolist())
-    loss, m = policy_loss(inp, PPOLoss(eps_low=0.2, eps_high=0.28, is_mode=is_mode))
+    loss, m = policy_loss(inp, PPOLoss(eps_low=0.2, eps_high=0.28, importance={"mode": is_mode}))
     want_loss, want_grad = _ppo_numpy(logpi, old, adv, mask, 0.2, 0.28)
     assert _v(loss) == pytest.approx(want_loss, abs=1e-10)
     np.testing.assert_allclose(_grad(loss, inp), want_grad, atol=1e-10)
@@ -295,9 +298,9 @@ def test_mask_mode_masks_exactly_the_out_of_range_tokens(seed, n):
     raw = np.exp(prox - mu)
     out = (raw < 0.5) | (raw > 2.0)
     inp = _inputs(logpi.tolist(), mu.tolist(), adv.tolist(), prox=prox.tolist())
-    loss, m = policy_loss(inp, PPOLoss(is_mode="mask", is_mask_low=0.5, is_mask_high=2.0))
+    loss, m = policy_loss(inp, PPOLoss(importance={"mode": "mask", "low": 0.5, "high": 2.0}))
     off = _inputs(logpi.tolist(), mu.tolist(), adv.tolist(), prox=prox.tolist())
-    loss_off, _ = policy_loss(off, PPOLoss(is_mode="off"))
+    loss_off, _ = policy_loss(off, PPOLoss(importance={"mode": "off"}))
     g_mask, g_off = _grad(loss, inp), _grad(loss_off, off)
     assert np.all(g_mask[out] == 0)
     np.testing.assert_allclose(g_mask[~out], g_off[~out])

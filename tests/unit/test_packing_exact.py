@@ -109,15 +109,16 @@ def groups(draw, max_groups: int = 3):
 SETTINGS = [
     ("soft", "bypass", PPOLoss()),
     ("hard", "bypass", PPOLoss()),
-    ("soft", "recompute", PPOLoss(is_mode="truncate", is_cap=1.5)),
-    ("hard", "recompute", PPOLoss(is_mode="mask", is_mask_low=0.8, is_mask_high=1.2)),
-    ("soft", "recompute", PPOLoss(is_mode="off", dual_clip=3.0)),
+    ("soft", "recompute", PPOLoss(importance={"mode": "truncate", "cap": 1.5})),
+    ("hard", "recompute", PPOLoss(importance={"mode": "mask", "low": 0.8, "high": 1.2})),
+    ("soft", "recompute", PPOLoss(importance={"mode": "off"}, dual_clip=3.0)),
     ("soft", "bypass", PPOLoss(dual_clip=2.0, aepo_entropy_clip=True)),
     ("hard", "bypass", PPOLoss(aepo_entropy_adv_gamma=0.5, entropy_coef=0.01)),
     ("soft", "recompute", PPOLoss(aepo_entropy_clip=True, aepo_entropy_adv_gamma=-0.3,
                                        eps_low=0.1, eps_high=0.1)),
-    ("hard", "recompute", GSPOLoss(eps_low=0.05, eps_high=0.05, is_mode="truncate",
-                                   is_cap=1.02, aepo_entropy_adv_gamma=0.3)),
+    ("hard", "recompute", GSPOLoss(eps_low=0.05, eps_high=0.05,
+                                   importance={"mode": "truncate", "cap": 1.02},
+                                   aepo_entropy_adv_gamma=0.3)),
     ("soft", "recompute", CISPOLoss(eps_low=0.05, eps_high=0.05, entropy_coef=0.01)),
 ]
 

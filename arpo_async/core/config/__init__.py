@@ -28,7 +28,7 @@ from arpo_async.core.config.actors import (
 from arpo_async.core.config.base import ConfigError, _Section
 from arpo_async.core.config.cluster import ClusterConfig, RemoteActorsConfig, TransportConfig
 from arpo_async.core.config.learner import WEIGHT_SYNC, LearnerConfig, NcclSync, ZmqSync
-from arpo_async.core.config.losses import LOSS, LOSS_TYPES, LossConfig, PPOLoss
+from arpo_async.core.config.losses import IMPORTANCE, LOSS, LOSS_TYPES, LossConfig, PPOLoss
 from arpo_async.core.config.run import MetricsConfig, ModelConfig, PipelineConfig, RunConfig
 from arpo_async.core.config.tools import (
     PYTHON,
@@ -95,11 +95,16 @@ RENAMED.update({
     "tools.search_snippet_chars": "moved; use tools.search.snippet_chars",
     "learner.weight_sync=zmq": "now a section; use learner.weight_sync.channel=zmq",
     "learner.weight_sync=nccl": "now a section; use learner.weight_sync.channel=nccl",
+    "learner.loss.is_mode": "moved; use learner.loss.importance.mode",
+    "learner.loss.is_cap": "moved; use learner.loss.importance.cap (with mode: truncate)",
+    "learner.loss.is_mask_low": "moved; use learner.loss.importance.low (with mode: mask)",
+    "learner.loss.is_mask_high": "moved; use learner.loss.importance.high (with mode: mask)",
     "learner.nccl_buffer_mb": "moved; use learner.weight_sync.buffer_mb (with channel: nccl)",
     "learner.nccl_timeout_s": "moved; use learner.weight_sync.timeout_s (with channel: nccl)",
 })
 # tagged unions by the field that holds them: the member's tag is dropped from error paths
-UNIONS = {"loss": LOSS, "python": PYTHON, "weight_sync": WEIGHT_SYNC}
+UNIONS = {"loss": LOSS, "python": PYTHON, "weight_sync": WEIGHT_SYNC,
+          "importance": IMPORTANCE}
 
 
 class Config(_Section):
@@ -127,11 +132,12 @@ class Config(_Section):
                 "within a prompt's group (A = (R - mean) / std), so a group of one leaf has "
                 "advantage 0 and the run learns nothing; use 2 or more")
         loss = self.learner.loss
-        if self.sampling.top_p < 1.0 and (loss.is_mode != "off" or loss.proximal == "recompute"):
+        if self.sampling.top_p < 1.0 and (loss.importance.mode != "off"
+                                          or loss.proximal == "recompute"):
             raise ConfigError(
                 f"sampling.top_p={self.sampling.top_p}: the actor records log-probs "
                 "renormalised over the nucleus while the learner computes full-vocabulary ones, "
-                "so the importance weights (learner.loss.is_mode) and recomputed ratios "
+                "so the importance weights (learner.loss.importance.mode) and recomputed ratios "
                 "(learner.loss.proximal) would be biased; use sampling.top_p=1.0 (ARPO's)")
 
 
@@ -178,7 +184,7 @@ def _set_dotted(tree: dict, dotted: str, raw: str) -> None:
             raise ConfigError(f"{dotted}: {part} is not a section")
         node = nxt
     # YAML parsing gives ints, floats, bools and lists from the command line; YAML 1.1's
-    # other booleans (off, on, yes, no) stay words: is_mode=off means "off" (a bool field
+    # other booleans (off, on, yes, no) stay words: importance.mode=off means "off" (a bool field
     # still reads them as booleans).
     value = yaml.safe_load(raw) if raw != "" else ""
     if isinstance(value, bool) and raw.strip().lower() not in ("true", "false"):

@@ -17,17 +17,47 @@ from pydantic import Field, field_validator, model_validator
 from arpo_async.core.config.base import Tagged, _Section
 
 
+_MODE = ("truncate: min(w, cap); mask: w outside [low, high] drops the token, else 1; "
+         "off: 1")
+
+
+class TruncateIS(_Section):
+    mode: Literal["truncate"] = Field("truncate", description=_MODE)
+    cap: float = Field(2.0, gt=0, description="C: truncation cap of the IS weight")
+
+
+class MaskIS(_Section):
+    mode: Literal["mask"] = Field("mask", description=_MODE)
+    low: float = Field(0.5, ge=0, description="lower bound of exp(prox - mu)")
+    high: float = Field(2.0, description="upper bound of exp(prox - mu)")
+
+    @model_validator(mode="after")
+    def _bounds(self):
+        if self.low > self.high:
+            raise ValueError(f"learner.loss.importance.low {self.low} > high {self.high}")
+        return self
+
+
+class NoIS(_Section):
+    mode: Literal["off"] = Field("off", description=_MODE)
+
+
+IMPORTANCE_MODES: dict[str, type[_Section]] = {"truncate": TruncateIS, "mask": MaskIS,
+                                               "off": NoIS}
+IMPORTANCE = Tagged("learner.loss.importance", "mode", IMPORTANCE_MODES, "truncate",
+                    "importance mode")
+ImportanceConfig = IMPORTANCE.annotation
+
+
 class _LossBase(_Section):
     proximal: Literal["recompute", "bypass"] = Field(
         "bypass", description="proximal log-probs: learner forward pass, or behaviour log-probs"
     )
     advantage: Literal["soft", "hard"] = Field("soft", description="advantage attribution")
-    is_mode: Literal["truncate", "mask", "off"] = Field(
-        "truncate", description="importance weight: truncated, mask outside [lo, hi], or 1")
-    is_cap: float = Field(2.0, gt=0, description="C: truncation cap of the IS weight")
-    is_mask_low: float = Field(
-        0.5, ge=0, description="mask mode: lower bound of exp(prox - mu)")
-    is_mask_high: float = Field(2.0, description="mask mode: upper bound of exp(prox - mu)")
+    importance: ImportanceConfig = Field(
+        default_factory=lambda: TruncateIS(), description="the importance weight w_t = "
+        "exp(prox - mu) (learner.loss.importance.mode: truncate, mask or off, each with its "
+        "own keys)")
     kl_coef: float = Field(
         0.0, description="k3 KL to a frozen copy of the initial weights, loaded on the "
         "learner when > 0 (0 in ARPO and AEPO)")
@@ -35,17 +65,12 @@ class _LossBase(_Section):
     aepo_entropy_adv_gamma: float = Field(
         0.0, description="AEPO: entropy-aware advantage gamma")
 
-    @field_validator("is_mode", mode="before")
+    @field_validator("importance", mode="before")
     @classmethod
-    def _off_is_a_word(cls, value):
-        return "off" if value is False else value  # YAML 1.1 reads a bare `off` as false
-
-    @model_validator(mode="after")
-    def _mask_bounds(self):
-        if self.is_mask_low > self.is_mask_high:
-            raise ValueError(f"is_mask_low {self.is_mask_low} > is_mask_high "
-                             f"{self.is_mask_high}")
-        return self
+    def _importance_mode(cls, raw):
+        if isinstance(raw, dict) and raw.get("mode") is False:
+            raw = {**raw, "mode": "off"}  # YAML 1.1 reads a bare `off` as false
+        return IMPORTANCE.section(raw)
 
 
 class PPOLoss(_LossBase):
