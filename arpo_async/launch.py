@@ -32,11 +32,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from arpo_async.core.config import ConfigError, describe, load_config
+from arpo_async.core.config import ConfigError, describe
 from arpo_async.launcher.plan import dry_run
 from arpo_async.launcher.remote import main as actor_main
-from arpo_async.launcher.slurm import run_slurm
-from arpo_async.launcher.supervisor import LaunchRequest, launch
+from arpo_async.launcher.slurm import run_slurm, slurm_request
+from arpo_async.launcher.supervisor import LaunchRequest, launch, load
 
 EPILOG = "config keys (set any with key=value):\n"
 
@@ -67,15 +67,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _is_pipeline(args) -> bool:
-    """The whole job (arpo_async/jobs/pipeline.py) or the RL stage alone (supervisor)?"""
-    from arpo_async.jobs.pipeline import USER_CONFIG  # the jobs: see main
-
-    if args.resume:
-        return (Path(args.resume) / USER_CONFIG).is_file()
-    return load_config(args.config, args.overrides).pipeline.enabled
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["actor"]:  # an actor on another machine (arpo_async/launcher/remote.py)
@@ -85,19 +76,28 @@ def main(argv: list[str] | None = None) -> int:
         print("--emit writes a Slurm script: pass --slurm too", file=sys.stderr)
         return 2
     # The jobs load the engines' clients and aiohttp (0.4 s): --help and `actor` need none.
+    from arpo_async.jobs.pipeline import USER_CONFIG
     from arpo_async.jobs.pipeline import run as run_pipeline
-    from arpo_async.jobs.preflight import prepare_run
+    from arpo_async.jobs.preflight import prepare_run, resolve_run
 
     try:
         if args.slurm:
-            return run_slurm(args, prepare=prepare_run)
-        if args.dry_run:
-            return dry_run(args, prepare_run)
-        if _is_pipeline(args):
-            return run_pipeline(args)
+            return run_slurm(args, resolve_run(slurm_request(args)))
         req = LaunchRequest(config=args.config, overrides=args.overrides, resume=args.resume,
                             quiet=args.quiet, dry_run=args.dry_run)
-        return launch(req, prepare=prepare_run)
+        if args.dry_run:  # checked and prepared in its dry-run form: nothing is built
+            cfg = load(req)
+            cfg.check_trainable()
+            prepare_run(cfg, dry_run=True)
+            return dry_run(cfg, args.config or args.resume or "configs/default.yaml")
+        if args.resume:  # a pipeline run folder has its job's config; else the RL stage's
+            if (Path(args.resume) / USER_CONFIG).is_file():
+                return run_pipeline(args)
+            return launch(resolve_run(req), req)
+        cfg = load(req)  # read once, whichever runs it
+        if cfg.pipeline.enabled:
+            return run_pipeline(args, cfg)
+        return launch(resolve_run(req, cfg), req)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2

@@ -105,11 +105,10 @@ def pinned_run(overrides: list[str], run_dir: Path, timeout_s: float, env: dict)
     from arpo_async.core.dsops import prebuild_deepspeed_ops
     from arpo_async.core.metrics import read_metrics
     from arpo_async.jobs.experiments import summarize_run
-    from arpo_async.jobs.preflight import prepare_run
-    from arpo_async.launcher.supervisor import LaunchRequest, plan, resolve
+    from arpo_async.jobs.preflight import resolve_run
+    from arpo_async.launcher.supervisor import LaunchRequest, plan
 
-    cfg = resolve(LaunchRequest(overrides=[*overrides, f"run.dir={run_dir}"], quiet=True),
-                  prepare=prepare_run)
+    cfg = resolve_run(LaunchRequest(overrides=[*overrides, f"run.dir={run_dir}"], quiet=True))
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     prebuild_deepspeed_ops()

@@ -24,7 +24,7 @@ class ConfigServer:
     """
 
     def __init__(self, cfg, silent_s: float | None = None):
-        self.config_yaml = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+        self.cfg, self._yaml = cfg, ""  # the text, made at the first request (if any)
         self.first_id = cfg.actors.num  # local actors are 0..num-1
         self.silent_s = silent_s or float(getattr(cfg.learner, "actor_silent_s", 30.0))
         self.owners: dict[int, str] = {}  # actor id -> host that asked for it
@@ -47,3 +47,10 @@ class ConfigServer:
         self.owners[actor_id] = msg.host
         log.info("config sent to %s (pid %d) as actor %d", msg.host, msg.pid, actor_id)
         return P.ConfigReply(config_yaml=self.config_yaml, actor_id=actor_id)
+
+    @property
+    def config_yaml(self) -> str:
+        """The resolved config as the learner runs it (what RUN_DIR/config.yaml holds)."""
+        if not self._yaml:
+            self._yaml = yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False)
+        return self._yaml

@@ -122,7 +122,8 @@ class LearnerLoop:
                        if self.rank == 0 else None)
         self.probe = probe_sequence(model_cfg.vocab_size)
         every = cfg.learner.trees_every  # a sample of the trained groups, for people to see
-        self.trees = (TreeSampler(self.run_dir, every, cfg.learner.loss.advantage, cfg.model.path)
+        self.trees = (TreeSampler(self.run_dir, every, cfg.learner.loss.advantage,
+                                  self.trainer.tokenizer)
                       if self.rank == 0 and every else None)
         meta = self.meta or {}
         self.step = self.first_step = meta.get("step", 0)

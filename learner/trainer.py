@@ -122,7 +122,8 @@ class PolicyTrainer:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.micro_batches = cfg.learner.min_micro_batches
         self.device = setup_device(cfg)  # CPU, or this rank's GPU (learner/device.py)
-        tok = AutoTokenizer.from_pretrained(model_path)
+        # the learner's one tokenizer: the pad id here, decoded tree files (learner/trees.py)
+        self.tokenizer = tok = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
         # CPU: float32 master weights, sdpa; GPU: the training dtype, flash-attn if present
         model = AutoModelForCausalLM.from_pretrained(model_path, **model_load_kwargs(cfg))

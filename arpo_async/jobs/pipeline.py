@@ -33,11 +33,11 @@ from arpo_async.core.metrics import read_metrics, wandb_log_images
 from arpo_async.core.rundir import latest_checkpoint
 from arpo_async.jobs.evaluate import evaluate
 from arpo_async.jobs.plots import write_plots
-from arpo_async.jobs.preflight import check_lengths, prepare_run
+from arpo_async.jobs.preflight import check_lengths, check_tools
 from arpo_async.jobs.sft import run_sft
 from arpo_async.jobs.synthetic import SuiteSpec, write_suite
 from arpo_async.jobs.tiny_model import ensure_model
-from arpo_async.launcher.supervisor import LaunchRequest, launch
+from arpo_async.launcher.supervisor import LaunchRequest, checked, launch, resolve
 from toolenv.retriever_server import RetrieverProcess
 from toolenv.tasks.suite import suite_noise
 
@@ -139,18 +139,25 @@ def run_eval(cfg: Config, model_path: str, retriever_url: str, out: Path) -> dic
 
 
 def run_rl(cfg: Config, run_dir: Path, sft_path: str, retriever_url: str, quiet: bool) -> dict:
+    """The RL stage: this job's config with the SFT model and the retriever, checked by the
+    launcher (``checked``) and written once by it to RUN_DIR/config.yaml, the file every
+    role reads. Nothing is resolved again: the model folder is the SFT stage's output, and
+    its prompts' lengths and the custom tools were checked when the job started. A
+    started stage continues from RUN_DIR/config.yaml."""
     started = (run_dir / "config.yaml").exists()
     args = LaunchRequest(resume=str(run_dir) if started else None, quiet=quiet)
-    if retriever_url:
-        args.overrides.append(f"tools.search.retriever_url={retriever_url}")
-    if not started:
+    if started:
+        _say(f"rl: continuing the RL run in {run_dir} from its newest checkpoint")
+        if retriever_url:  # a new retriever process: its port changed
+            args.overrides.append(f"tools.search.retriever_url={retriever_url}")
+        rl_cfg = resolve(args)
+    else:
         rl_cfg = cfg.model_copy(deep=True)
         rl_cfg.model.path = sft_path
-        args.config = str(run_dir / "rl_config.yaml")
-        save_config(rl_cfg, args.config)
-    elif args.resume:
-        _say(f"rl: continuing the RL run in {run_dir} from its newest checkpoint")
-    code = launch(args, prepare=prepare_run)
+        if retriever_url:
+            rl_cfg.tools.search.retriever_url = retriever_url
+        rl_cfg = checked(rl_cfg)
+    code = launch(rl_cfg, args)
     ckpt = latest_checkpoint(run_dir)
     if code != 0 or ckpt is None:
         raise RuntimeError(f"the RL stage failed (exit code {code}, newest checkpoint "
@@ -221,14 +228,14 @@ def branch_means(rows: list[dict]) -> dict:
 # ----------------------------------------------------------------------------- driver
 
 
-def _user_config(args) -> tuple[Config, Path]:
+def _user_config(args, cfg: Config | None) -> tuple[Config, Path]:
     if args.resume:
         run_dir = Path(args.resume)
         path = run_dir / USER_CONFIG
         if not path.is_file():
             raise ConfigError(f"--resume: {path} does not exist (not a pipeline run folder)")
         return load_config(path, args.overrides), run_dir
-    cfg = load_config(args.config, args.overrides)
+    cfg = cfg or load_config(args.config, args.overrides)
     run_dir = Path(cfg.run.dir)
     if (run_dir / STATE).exists() or (run_dir / "config.yaml").exists():
         raise ConfigError(f"run.dir: {run_dir} already holds a run; continue it with "
@@ -236,9 +243,11 @@ def _user_config(args) -> tuple[Config, Path]:
     return cfg, run_dir
 
 
-def run(args) -> int:
-    """The whole job; returns the exit code (the summary is printed and saved)."""
-    cfg, run_dir = _user_config(args)
+def run(args, cfg: Config | None = None) -> int:
+    """The whole job; returns the exit code (the summary is printed and saved). ``cfg``:
+    ``args``' config already read (by the entry point), else it is read here."""
+    cfg, run_dir = _user_config(args, cfg)
+    check_tools(cfg)  # tools.custom: before anything is built
     quiet = bool(args.quiet)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / USER_CONFIG)

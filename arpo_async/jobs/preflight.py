@@ -1,8 +1,11 @@
 """What is checked, and made, once a run's config is read and before any process starts.
 
-``prepare_run`` is what the entry point hands the launcher (``arpo_async.launch``, the
-pipeline's RL stage, ``--dry-run``): the launcher imports only the core, so the checks that
-need the tool classes or the model's tokenizer are injected from here.
+``resolve_run`` is the one resolution of a run (``arpo_async.launch``, ``--slurm``,
+``--dry-run``; the pipeline resolves its RL stage from what its own stages made): the
+launcher's ``resolve`` (the config file and overrides, the rules of a trainable run,
+CurveZMQ, the ports), then ``prepare_run`` here, which needs what the launcher must not
+import (the tool classes, the model's tokenizer). The launcher then writes the result once
+to RUN_DIR/config.yaml, the file every role reads.
 
 - ``tools.custom``: each class imported and checked against the tool protocol
   (toolenv/tool_classes.py), one line naming ``tools.custom[i]`` and the path.
@@ -25,6 +28,7 @@ from pathlib import Path
 
 from arpo_async.core.config import Config, ConfigError
 from arpo_async.jobs.tiny_model import resolve_model_path
+from arpo_async.launcher.supervisor import LaunchRequest, checked, resolve
 from toolenv.tasks.prompts import PromptSource
 from toolenv.tool_classes import check_custom_tools
 
@@ -43,12 +47,26 @@ class LengthReport:
                 "model.max_model_len")
 
 
-def prepare_run(cfg: Config, dry_run: bool = False) -> None:
-    """Check ``cfg`` and resolve ``cfg.model.path``; ConfigError in one line otherwise."""
+def resolve_run(req: LaunchRequest, cfg: Config | None = None) -> Config:
+    """The launcher's ``resolve`` of ``req`` (``cfg``: its config already read), checks and
+    ports first, so that nothing is built for a run that cannot start; then
+    ``prepare_run``."""
+    cfg = resolve(req) if cfg is None else checked(cfg)
+    prepare_run(cfg, req.dry_run)
+    return cfg
+
+
+def check_tools(cfg: Config) -> None:
+    """``tools.custom``: each class imported and checked; ConfigError naming the entry."""
     try:
         check_custom_tools(cfg.tools)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def prepare_run(cfg: Config, dry_run: bool = False) -> None:
+    """Check ``cfg`` and resolve ``cfg.model.path``; ConfigError in one line otherwise."""
+    check_tools(cfg)
     if not dry_run:
         try:
             cfg.model.path = resolve_model_path(cfg)

@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from arpo_async.core.config import Config, ConfigError, load_config, total_actors
+from arpo_async.core.config import Config, ConfigError, total_actors
 from arpo_async.core.host import is_loopback
 
 _WILDCARDS = ("0.0.0.0", "*", "::", "")
@@ -333,22 +333,15 @@ def format_plan(cfg: Config, roles: list[RoleSpec], notes: list[str]) -> str:
     return "\n".join(out)
 
 
-def dry_run(args, prepare=None) -> int:
-    """``launch --dry-run``: validate (with ``prepare``, the entry point's preflight, in
-    its dry-run form: nothing is built), print the plan, start nothing."""
-    if getattr(args, "resume", None):
-        cfg = load_config(Path(args.resume) / "config.yaml", args.overrides)
-    else:
-        cfg = load_config(args.config, args.overrides)
-    cfg.check_trainable()
-    if prepare is not None:
-        prepare(cfg, True)
+def dry_run(cfg: Config, source: str) -> int:
+    """``launch --dry-run``: print the plan of ``cfg`` (read from ``source``, checked and
+    prepared by the entry point in its dry-run form: nothing is built), start nothing."""
     port = cfg.cluster.master_port or DEFAULT_MASTER_PORT
     roles = plan(cfg, Path(cfg.run.dir) / "config.yaml", master_port=port)
     notes = check_placement(cfg) + _path_notes(cfg)
     if not cfg.cluster.master_port and cfg.learner.world_size > 1:
         notes.append(f"the rendezvous port {port} is an example: a free one is chosen at "
                      "launch (set cluster.master_port to fix it)")
-    print(f"config OK: {args.config or args.resume or 'configs/default.yaml'}")
+    print(f"config OK: {source}")
     print(format_plan(cfg, roles, notes))
     return 0

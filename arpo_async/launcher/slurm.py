@@ -36,7 +36,7 @@ from arpo_async.core.files import atomic_write_bytes
 from arpo_async.core.host import is_loopback
 from arpo_async.core.keys import generate, keys_dir
 from arpo_async.launcher.plan import DEFAULT_MASTER_PORT
-from arpo_async.launcher.supervisor import LaunchRequest, Preflight, resolve, run_summary
+from arpo_async.launcher.supervisor import LaunchRequest, run_summary
 
 SCRIPT_NAME = "slurm.sbatch"
 
@@ -95,16 +95,16 @@ def job_config(cfg: Config) -> Config:
     return out
 
 
-def resolve_job(req: LaunchRequest, prepare: Preflight | None) -> Config:
-    """``job_config`` of the resolved config (as the launcher resolves it: the model
-    folder, built when missing), with the CurveZMQ keys created when missing."""
-    cfg = load_config(req.config, req.overrides)
+def slurm_request(args) -> LaunchRequest:
+    """The run a Slurm job resolves: ``args``' config and overrides, the learner bound to
+    ``0.0.0.0`` when ``transport.host`` is a loopback address, with the CurveZMQ keys
+    created when missing (the entry point resolves and prepares it, as for any launch)."""
+    cfg = load_config(args.config, args.overrides)
     check_ports(cfg)
     bind = ["transport.host=0.0.0.0"] if is_loopback(cfg.transport.host) else []
     if not cfg.transport.insecure and not (keys_dir(cfg.run.dir) / "server.key_secret").exists():
         print(f"creating CurveZMQ keys in {generate(cfg.run.dir)}", flush=True)
-    return job_config(resolve(LaunchRequest(config=req.config, overrides=[*req.overrides, *bind],
-                                            quiet=True), prepare))
+    return LaunchRequest(config=args.config, overrides=[*args.overrides, *bind], quiet=True)
 
 
 def _sbatch_lines(cfg: Config, lay: Layout, workdir: str) -> list[str]:
@@ -196,12 +196,12 @@ def submit(script: Path) -> str:
     return res.stdout.strip().split(";")[0]
 
 
-def run_slurm(args, prepare: Preflight | None = None) -> int:
-    """``launch --slurm``: resolve the config, write the script, submit it unless --emit."""
-    req = LaunchRequest(config=args.config, overrides=list(args.overrides), quiet=True)
-    cfg = load_config(req.config, req.overrides)
+def run_slurm(args, cfg: Config) -> int:
+    """``launch --slurm``: ``cfg`` is ``slurm_request(args)`` resolved and prepared by the
+    entry point; write RUN_DIR/config.yaml (``job_config``) and the script, submit it
+    unless --emit."""
     lay = layout(cfg, args.nodes_learner, args.nodes_actors, args.partition, args.time)
-    cfg = resolve_job(req, prepare)
+    cfg = job_config(cfg)
     run_dir = Path(cfg.run.dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")

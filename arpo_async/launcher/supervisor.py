@@ -1,5 +1,9 @@
-"""Process supervision for ``arpo_async.launch``: resolve the config, start the roles,
-watch them, restart what died, stop everything cleanly, write the summary.
+"""Process supervision for ``arpo_async.launch``: load and check the config (``resolve``),
+start the roles, watch them, restart what died, stop everything cleanly, write the
+summary. The launcher imports only the core: what needs the model or the tool classes
+(the model folder, built when missing; prompt lengths; custom tools) is prepared by the
+entry point (arpo_async/jobs/preflight.py ``resolve_run``) before ``launch`` gets the
+config, which it writes once to RUN_DIR/config.yaml, the file every role reads.
 
 The roles are those of arpo_async/launcher/plan.py, the plan ``--dry-run`` prints: the launcher
 starts the local ones and prints the commands of the remote actors (started by hand on
@@ -51,26 +55,28 @@ class LaunchRequest:
     dry_run: bool = False  # validate only: no model is built, nothing starts
 
 
-# Checks the config and fixes cfg.model.path, building nothing on a dry run (the bool); the
-# entry point passes arpo_async/jobs/preflight.py's prepare_run, raising ConfigError.
-Preflight = Callable[[Config, bool], None]
-
-
-def resolve(args: LaunchRequest, prepare: Preflight | None = None) -> Config:
-    """Load and fix everything that must be the same in every process: the ports, and
-    what ``prepare`` checks and resolves (the model folder, built when missing; the custom
-    tools; prompt lengths against ``model.max_model_len``)."""
+def load(args: LaunchRequest) -> Config:
+    """The config a request names: RUN_DIR/config.yaml on ``--resume``, else its file (or
+    configs/default.yaml), with its overrides."""
     if args.resume:
         path = Path(args.resume) / "config.yaml"
         if not path.is_file():
             raise ConfigError(f"--resume: {path} does not exist")
-        cfg = load_config(path, args.overrides)
-    else:
-        cfg = load_config(args.config, args.overrides)
+        return load_config(path, args.overrides)
+    return load_config(args.config, args.overrides)
+
+
+def resolve(args: LaunchRequest) -> Config:
+    """``checked(load(args))``."""
+    return checked(load(args))
+
+
+def checked(cfg: Config) -> Config:
+    """What the launcher checks and fixes itself, before anything is built: the rules a
+    run must meet (``check_trainable``), CurveZMQ for a non-loopback bind, and the ports
+    (chosen here when 0, so that every process reads the same)."""
     cfg.check_trainable()
     _check_security(cfg)
-    if prepare is not None:
-        prepare(cfg, args.dry_run)
     t = cfg.transport
     if t.trajectory_port == 0:
         t.trajectory_port = free_port(t.host)
@@ -250,8 +256,9 @@ def _raise_terminated(signum, frame) -> None:
     raise Terminated(signal.Signals(signum).name)
 
 
-def launch(args: LaunchRequest, prepare: Preflight | None = None) -> int:
-    cfg = resolve(args, prepare)
+def launch(cfg: Config, args: LaunchRequest) -> int:
+    """Run ``cfg``, resolved (``checked``) and prepared by the entry point; ``args`` says
+    whether it resumes and how progress is shown."""
     run_dir = Path(cfg.run.dir)
     config_path = run_dir / "config.yaml"
     roles, remote = plan(cfg, config_path, resume=bool(args.resume))

@@ -12,8 +12,16 @@ import pytest
 import yaml
 
 from arpo_async.core.config import SPINE_CONFIG, ConfigError, load_config
+from arpo_async.jobs.preflight import resolve_run
 from arpo_async.launch import main as launch_main
-from arpo_async.launcher.slurm import check_ports, job_config, layout, run_slurm, sbatch_script
+from arpo_async.launcher.slurm import (
+    check_ports,
+    job_config,
+    layout,
+    run_slurm,
+    sbatch_script,
+    slurm_request,
+)
 
 PORTS = ["transport.trajectory_port=29610", "transport.control_port=29611"]
 
@@ -71,7 +79,7 @@ def test_emit_writes_the_config_the_keys_and_the_script(tmp_path, monkeypatch):
     args = argparse.Namespace(config=str(SPINE_CONFIG), nodes_learner=1, nodes_actors=1,
                               emit=str(tmp_path / "job.sbatch"), partition="", time="",
                               overrides=[*PORTS, "run.dir=runs/x", "actors.num=2"])
-    assert run_slurm(args) == 0
+    assert run_slurm(args, resolve_run(slurm_request(args))) == 0
     cfg = yaml.safe_load((tmp_path / "runs/x/config.yaml").read_text())
     assert cfg["actors"]["num"] == 0 and cfg["cluster"]["remote_actors"][0]["actors"] == 2
     assert cfg["transport"]["host"] == "0.0.0.0"
