@@ -253,7 +253,8 @@ class VLLMEngine(VLLMWeights):
         self.rounds += 1
         got = Round()
         finish, reason, interruptions = "length", None, 0
-        window = req.topk_window if 0 < req.topk_window < req.max_tokens else 0
+        asked = req.logprobs_topk > 0 or req.entropy  # a window with nothing asked: no split
+        window = req.topk_window if asked and 0 < req.topk_window < req.max_tokens else 0
         while len(got.tokens) < req.max_tokens:
             if got.tokens and len(req.prompt_tokens) + len(got.tokens) >= self.max_model_len:
                 finish, reason = "length", None  # no room left for another segment

@@ -123,7 +123,7 @@ class PathStepper:
         the estimator needs (top-k log-probs, or the exact estimator's whole vectors), over
         the window only (``GenRequest.topk_window``) under ``sampling.topk_window_only``,
         else on every token of the round; whole vectors are always asked over the window
-        only. Not read: the sampled tokens' own log-probs only."""
+        only. Not read: the sampled tokens' own log-probs only, in one request."""
         s, r = self.cfg.sampling, self.cfg.rollout
         window = r.entropy_window
         exact = r.entropy_estimator == "exact"
@@ -141,7 +141,7 @@ class PathStepper:
                 temperature=s.temperature, top_p=s.top_p, stop_token_ids=self.stop_ids,
                 stop=self.stop_strings,
                 logprobs_topk=s.logprobs_topk if read and not exact else 0,
-                topk_window=window if s.topk_window_only or exact else 0,
+                topk_window=window if read and (s.topk_window_only or exact) else 0,
                 entropy=read and exact,
                 seed=seed))
         except ContextOverflow:

@@ -37,7 +37,8 @@ from arpo_async.jobs.preflight import check_lengths, check_tools
 from arpo_async.jobs.sft import run_sft
 from arpo_async.jobs.synthetic import SuiteSpec, write_suite
 from arpo_async.jobs.tiny_model import ensure_model
-from arpo_async.launcher.supervisor import LaunchRequest, checked, launch, resolve
+from arpo_async.launcher.supervisor import (LaunchRequest, checked, launch, resolve,
+                                            with_ports)
 from toolenv.retriever_server import RetrieverProcess
 from toolenv.tasks.suite import suite_noise
 
@@ -156,7 +157,7 @@ def run_rl(cfg: Config, run_dir: Path, sft_path: str, retriever_url: str, quiet:
         rl_cfg.model.path = sft_path
         if retriever_url:
             rl_cfg.tools.search.retriever_url = retriever_url
-        rl_cfg = checked(rl_cfg)
+        rl_cfg = with_ports(checked(rl_cfg))
     code = launch(rl_cfg, args)
     ckpt = latest_checkpoint(run_dir)
     if code != 0 or ckpt is None:

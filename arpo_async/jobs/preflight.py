@@ -28,7 +28,7 @@ from pathlib import Path
 
 from arpo_async.core.config import Config, ConfigError
 from arpo_async.jobs.tiny_model import resolve_model_path
-from arpo_async.launcher.supervisor import LaunchRequest, checked, resolve
+from arpo_async.launcher.supervisor import LaunchRequest, checked, load, with_ports
 from toolenv.tasks.prompts import PromptSource
 from toolenv.tool_classes import check_custom_tools
 
@@ -48,12 +48,11 @@ class LengthReport:
 
 
 def resolve_run(req: LaunchRequest, cfg: Config | None = None) -> Config:
-    """The launcher's ``resolve`` of ``req`` (``cfg``: its config already read), checks and
-    ports first, so that nothing is built for a run that cannot start; then
-    ``prepare_run``."""
-    cfg = resolve(req) if cfg is None else checked(cfg)
+    """The launcher's checks of ``req``'s config (``cfg``: already read) first, so that
+    nothing is built for a run that cannot start; then ``prepare_run``; then the ports."""
+    cfg = checked(load(req) if cfg is None else cfg)
     prepare_run(cfg, req.dry_run)
-    return cfg
+    return with_ports(cfg)
 
 
 def check_tools(cfg: Config) -> None:

@@ -98,9 +98,11 @@ def job_config(cfg: Config) -> Config:
 def slurm_request(args) -> LaunchRequest:
     """The run a Slurm job resolves: ``args``' config and overrides, the learner bound to
     ``0.0.0.0`` when ``transport.host`` is a loopback address, with the CurveZMQ keys
-    created when missing (the entry point resolves and prepares it, as for any launch)."""
+    created when missing (the entry point resolves and prepares it, as for any launch).
+    The ports and the node layout are checked before anything is made."""
     cfg = load_config(args.config, args.overrides)
     check_ports(cfg)
+    layout(cfg, args.nodes_learner, args.nodes_actors, args.partition, args.time)  # first
     bind = ["transport.host=0.0.0.0"] if is_loopback(cfg.transport.host) else []
     if not cfg.transport.insecure and not (keys_dir(cfg.run.dir) / "server.key_secret").exists():
         print(f"creating CurveZMQ keys in {generate(cfg.run.dir)}", flush=True)

@@ -67,16 +67,21 @@ def load(args: LaunchRequest) -> Config:
 
 
 def resolve(args: LaunchRequest) -> Config:
-    """``checked(load(args))``."""
-    return checked(load(args))
+    """``with_ports(checked(load(args)))``."""
+    return with_ports(checked(load(args)))
 
 
 def checked(cfg: Config) -> Config:
-    """What the launcher checks and fixes itself, before anything is built: the rules a
-    run must meet (``check_trainable``), CurveZMQ for a non-loopback bind, and the ports
-    (chosen here when 0, so that every process reads the same)."""
+    """What the launcher checks before anything is built: the rules a run must meet
+    (``check_trainable``) and CurveZMQ for a non-loopback bind."""
     cfg.check_trainable()
     _check_security(cfg)
+    return cfg
+
+
+def with_ports(cfg: Config) -> Config:
+    """The ports, chosen here when 0 (so that every process reads the same), as late as
+    possible before the roles bind them."""
     t = cfg.transport
     if t.trajectory_port == 0:
         t.trajectory_port = free_port(t.host)

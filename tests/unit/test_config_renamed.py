@@ -1,5 +1,6 @@
 """Each config key has one meaning (issue 30): the seven keys that had two were split or
-folded. An old key (or a value whose meaning is gone) is refused, from a YAML file and
+folded, and the flat keys of a tool, the weight channel and the importance weight moved
+into sections of their own (tagged unions where the keys depend on a mode). An old key (or a value whose meaning is gone) is refused, from a YAML file and
 from an override alike, in one line naming what to write instead; the defaults give the
 same effective values as before (the eval temperature, the SFT chunk, the micro-batches,
 a round's token limit, the prompt limit, the transport timeouts)."""
@@ -32,6 +33,25 @@ OLD = {
     "sampling.on_overflow=skip": ["sampling.max_prompt_tokens"],
     "pipeline.eval_temperature=-1": ["null"],
     "run.quiet=true": ["--quiet"],
+    # sections of their own and tagged unions (the third pass)
+    **{f"tools.python_{old}=1": [f"tools.python.{new}"]
+       for old, new in (("cpu_s", "cpu_s"), ("memory_mb", "memory_mb"),
+                        ("max_procs", "max_procs"), ("max_output", "max_output"),
+                        ("pool", "pool"), ("preload", "preload"), ("state", "state"),
+                        ("max_sessions", "max_sessions"), ("session_idle_s", "session_idle_s"),
+                        ("checkpoint_mb", "checkpoint_mb"))},
+    "tools.allow_unsandboxed=true": ["tools.python.allow_unsandboxed"],
+    "tools.retriever_url=http://h:1/retrieve": ["tools.search.retriever_url"],
+    "tools.search_topk=3": ["tools.search.topk"],
+    "tools.search_snippet_chars=100": ["tools.search.snippet_chars"],
+    "learner.weight_sync=zmq": ["learner.weight_sync.channel=zmq"],
+    "learner.weight_sync=nccl": ["learner.weight_sync.channel=nccl"],
+    "learner.nccl_buffer_mb=64": ["learner.weight_sync.buffer_mb"],
+    "learner.nccl_timeout_s=60": ["learner.weight_sync.timeout_s"],
+    "learner.loss.is_mode=mask": ["learner.loss.importance.mode"],
+    "learner.loss.is_cap=2": ["learner.loss.importance.cap"],
+    "learner.loss.is_mask_low=0.5": ["learner.loss.importance.low"],
+    "learner.loss.is_mask_high=2": ["learner.loss.importance.high"],
 }
 
 
@@ -55,13 +75,26 @@ def test_an_old_override_is_refused_naming_the_new_key(override):
 @pytest.mark.parametrize("override", list(OLD))
 def test_an_old_yaml_key_is_refused_naming_the_new_key(override, tmp_path):
     key, value = override.split("=", 1)
-    section, name = key.split(".")
+    tree: dict = {}
+    node = tree
+    *sections, name = key.split(".")
+    for section in sections:
+        node = node.setdefault(section, {})
+    node[name] = yaml.safe_load(value)
     path = tmp_path / "old.yaml"
-    path.write_text(yaml.safe_dump({section: {name: yaml.safe_load(value)}}))
+    path.write_text(yaml.safe_dump(tree))
     with pytest.raises(ConfigError) as err:
         load_config(path)
     assert str(err.value).startswith(_old_key(override) + ": ")
     assert all(new in str(err.value) for new in OLD[override])
+
+
+def test_an_old_file_is_named_even_under_an_override_of_the_new_shape(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text("learner: {weight_sync: nccl}\n")
+    with pytest.raises(ConfigError, match=r"^learner.weight_sync=nccl: now a section; use "
+                                          r"learner.weight_sync.channel=nccl$"):
+        load_config(path, ["learner.weight_sync.channel=zmq"])
 
 
 def test_a_run_folder_of_the_old_code_names_every_old_key(tmp_path):

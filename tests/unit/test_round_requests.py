@@ -66,8 +66,10 @@ async def test_top_k_is_asked_over_the_window_or_on_every_token(tiny_model_dir, 
     asked = await _asked(tok, "tail_corrected", window_only)
     read = [a for a in asked if a[0] > 0]
     assert read and all(a == (TOPK, WINDOW if window_only else 0, False) for a in read)
-    # rounds whose entropy is not read ask for the sampled token's log-prob only
-    assert all(a == (0, WINDOW if window_only else 0, False) for a in asked if a[0] == 0)
+    # rounds whose entropy is not read ask for the sampled token's log-prob only, in one
+    # request (no window to split at)
+    unread = [a for a in asked if a[0] == 0]
+    assert unread and all(a == (0, 0, False) for a in unread)
 
 
 @pytest.mark.parametrize("window_only", [True, False])
@@ -76,3 +78,4 @@ async def test_whole_vectors_are_asked_over_the_window_only(tiny_model_dir, wind
     asked = await _asked(tok, "exact", window_only)
     read = [a for a in asked if a[2]]
     assert read and all(a == (0, WINDOW, True) for a in read)
+    assert all(a == (0, 0, False) for a in asked if not a[2])

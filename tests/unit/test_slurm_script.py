@@ -94,3 +94,13 @@ def test_emit_writes_the_config_the_keys_and_the_script(tmp_path, monkeypatch):
 def test_emit_needs_slurm(capsys):
     assert launch_main(["--emit", "x.sbatch"]) == 2
     assert "--emit writes a Slurm script" in capsys.readouterr().err
+
+
+def test_a_bad_layout_is_refused_before_keys_or_a_model_are_made(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = argparse.Namespace(config=str(SPINE_CONFIG), nodes_learner=1, nodes_actors=3,
+                              emit=str(tmp_path / "job.sbatch"), partition="", time="",
+                              overrides=[*PORTS, "run.dir=runs/x", "actors.num=2"])
+    with pytest.raises(ConfigError):
+        slurm_request(args)
+    assert not (tmp_path / "runs/x").exists()

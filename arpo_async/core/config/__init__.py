@@ -221,6 +221,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: top level must be a mapping")
+    _refuse_renamed(tree)  # before the overrides, which may not fit an old file's shape
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected key=value")
@@ -251,11 +252,16 @@ def _renamed(tree: dict, prefix: str = "") -> list[str]:
     return found
 
 
-def config_from_dict(tree: dict[str, Any]) -> Config:
+def _refuse_renamed(tree: dict[str, Any]) -> None:
+    """ConfigError in one line naming the first old key and what to write instead."""
     old = _renamed(tree)
     if old:
         also = [o.split(": ", 1)[0] for o in old[1:]]
         raise ConfigError(old[0] + (f"; also {', '.join(also)}" if also else ""))
+
+
+def config_from_dict(tree: dict[str, Any]) -> Config:
+    _refuse_renamed(tree)
     try:
         return Config.model_validate(tree)
     except ValidationError as err:

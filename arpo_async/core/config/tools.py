@@ -82,7 +82,8 @@ class SearchConfig(_Section):
         "", description="retriever endpoint (POST /retrieve; the pipeline starts a local one "
         "over its corpus when empty)")
     topk: int = Field(3, ge=1, description="snippets per search")
-    snippet_chars: int = Field(200, ge=1, description="characters kept per snippet")
+    snippet_chars: int = Field(
+        200, ge=0, description="characters kept per snippet (0: the whole passage)")
 
 
 class _PythonBase(_Section):
