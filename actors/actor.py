@@ -157,10 +157,10 @@ class Actor:
             await asyncio.sleep(self.cfg.actors.heartbeat_s)
 
     # ------------------------------------------------------------------ admission
-    async def _ticket(self) -> int | None:
-        """Ask until a ticket is granted (the weights version it was asked on, which the
-        group reports so that the learner knows which ticket it used) or the learner says
-        stop (None)."""
+    async def _ticket(self) -> tuple[int, int] | None:
+        """Ask until a ticket is granted: (the weights version it was asked on, the grant's
+        epoch), which the group reports so that the learner knows which ticket it used;
+        or None when the learner says stop."""
         while not self.stop:
             t0 = time.perf_counter()
             asked_on = self.engine.version
@@ -183,10 +183,10 @@ class Actor:
             self.idle_s += time.perf_counter() - t0
             if 0 <= self.control.learner_version < self.engine.version:
                 await self.sync_weights()  # never generate with weights the learner lost
-            return asked_on
+            return asked_on, grant.epoch
         return None
 
-    async def _group(self, ticket_version: int) -> None:
+    async def _group(self, ticket: tuple[int, int]) -> None:
         """Generate the next prompt's group and send it. Its first trajectories count
         as generating before this coroutine first waits (``Rollout.run``)."""
         pos = self.source.position
@@ -210,7 +210,7 @@ class Actor:
                 await asyncio.sleep(0.1)
         group.stats = {**group.stats, "gen_s": time.time() - group.created_at,
                        "pid": float(os.getpid()), "data_pos": float(pos),
-                       "ticket_version": float(ticket_version)}
+                       "ticket_version": float(ticket[0]), "ticket_epoch": float(ticket[1])}
         await self.sender.send(group)  # stamps sent_at
         self._in_flight.discard(pos)
         self.groups_sent += 1

@@ -47,6 +47,9 @@ class ActorLedger:
     # on old weights are the groups the learner waits for before a step would make them
     # stale (learner/service.py collect)
     ticket_versions: Counter = field(default_factory=Counter)
+    # bumped whenever its outstanding tickets are voided; each grant carries it and each
+    # group reports it back, so a group of a voided ticket is an orphan exactly
+    epoch: int = 0
     used: int = 0  # of those, groups received
     orphaned: int = 0  # groups in flight whose tickets were released while it was silent
     bye: bool = False
@@ -85,16 +88,25 @@ class ActorLedger:
         outstanding = self.outstanding()
         self.granted = self.used = 0
         self.ticket_versions.clear()
+        self.epoch += 1
         return outstanding
 
-    def take_ticket(self, pid: int, ticket_version: int | None = None) -> bool:
+    def take_ticket(self, pid: int, ticket_version: int | None = None,
+                    ticket_epoch: int = -1) -> bool:
         """Whether a group just received from incarnation ``pid`` used a ticket still
         counted by admission (see the module docstring). ``ticket_version``: the weights
         version the actor asked for that ticket on (its group's stats), which says which
-        outstanding ticket it was; the oldest when unknown."""
+        outstanding ticket it was; the oldest when unknown. ``ticket_epoch``: the epoch
+        its grant carried; an earlier one is a voided ticket's group (an orphan). Without
+        it (-1) orphans are counted off ``orphaned``, which a voided grant nobody used
+        (a retried request's duplicate) keeps above zero, swallowing later groups."""
         if pid != self.pid:  # an earlier incarnation: released at its successor's Hello
             return False
-        if self.orphaned > 0:
+        if ticket_epoch >= 0:
+            if ticket_epoch != self.epoch:
+                self.orphaned = max(self.orphaned - 1, 0)
+                return False
+        elif self.orphaned > 0:
             self.orphaned -= 1
             return False
         if self.used < self.granted:
@@ -180,16 +192,18 @@ class Ledger:
         led.sent_by_pid[peer_count(stats.get("pid"), led.pid)] = peer_count(groups_sent, 0)
 
     # ------------------------------------------------------------- groups
-    def receive(self, actor_id: int, pid_stat, ticket_version_stat=None) -> bool:
-        """A checked group arrived (``pid_stat``, ``ticket_version_stat``: its
-        ``stats["pid"]`` and ``stats["ticket_version"]``); whether it used a ticket still
-        counted by admission. The caller then records it as trained (after the step) or
-        dropped."""
+    def receive(self, actor_id: int, pid_stat, ticket_version_stat=None,
+                ticket_epoch_stat=None) -> bool:
+        """A checked group arrived (``pid_stat``, ``ticket_version_stat``,
+        ``ticket_epoch_stat``: its ``stats["pid"]``, ``["ticket_version"]`` and
+        ``["ticket_epoch"]``); whether it used a ticket still counted by admission. The
+        caller then records it as trained (after the step) or dropped."""
         led = self.actor(actor_id)
         led.received_total += 1
         pid = peer_count(pid_stat, led.pid)
         led.received_by_pid[pid] = led.received_by_pid.get(pid, 0) + 1
-        return led.take_ticket(pid, peer_count(ticket_version_stat, -1))
+        return led.take_ticket(pid, peer_count(ticket_version_stat, -1),
+                               peer_count(ticket_epoch_stat, -1))
 
     def at_risk(self, bound: int) -> int:
         """Outstanding tickets, over every actor, granted on weights ``bound`` or older:

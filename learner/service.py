@@ -242,7 +242,7 @@ class LearnerService:
         want = min(want, left)
         granted, reason = self.admission.grant(want, self.version, msg.version)
         led.grant(granted, min(msg.version, self.version))
-        return P.TicketGrant(granted, self.published, reason=reason)
+        return P.TicketGrant(granted, self.published, reason=reason, epoch=led.epoch)
 
     # ---------------------------------------------------------------- main thread
     def _accept(self, group: P.TrajectoryGroup) -> None:
@@ -253,7 +253,8 @@ class LearnerService:
                 self.invalid[reason] += 1
                 return
             ticketed = self.ledger.receive(group.actor_id, group.stats.get("pid"),
-                                           group.stats.get("ticket_version"))
+                                           group.stats.get("ticket_version"),
+                                           group.stats.get("ticket_epoch"))
             self.tokens.receive(group)
             if not ticketed and not self.filter.reason(self.version, group.min_version()):
                 self.events["untracked"] += 1  # trained without a counted ticket: it takes
@@ -461,7 +462,8 @@ class LearnerService:
                         self.invalid[reason] += 1
                         continue
                     self.ledger.receive(group.actor_id, group.stats.get("pid"),
-                                        group.stats.get("ticket_version"))
+                                        group.stats.get("ticket_version"),
+                                        group.stats.get("ticket_epoch"))
                     self.ledger.drop(group.actor_id, "shutdown")
                     self.tokens.receive(group)
                     self.tokens.drop(group, "shutdown")

@@ -1,7 +1,8 @@
 """Each config key has one meaning (issue 30): the seven keys that had two were split or
 folded, and the flat keys of a tool, the weight channel and the importance weight moved
-into sections of their own (tagged unions where the keys depend on a mode). An old key (or a value whose meaning is gone) is refused, from a YAML file and
-from an override alike, in one line naming what to write instead; the defaults give the
+into sections of their own (tagged unions where the keys depend on a mode). An old key
+(or a value whose meaning is gone) is refused, from a YAML file and from an override
+alike, in one line naming what to write instead; the defaults give the
 same effective values as before (the eval temperature, the SFT chunk, the micro-batches,
 a round's token limit, the prompt limit, the transport timeouts)."""
 

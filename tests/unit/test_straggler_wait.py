@@ -6,6 +6,8 @@ delivers four groups and the learner would move to version 2."""
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -152,6 +154,31 @@ def test_a_group_gives_back_the_ticket_it_names_else_the_oldest():
     assert dict(led.actor(0).ticket_versions) == {0: 1}
     assert led.hello(0, pid=8, version=3) == ("restart", 1)  # void: none at risk
     assert led.at_risk(10) == 0
+
+
+def test_a_duplicate_grant_nobody_used_does_not_swallow_later_tickets():
+    """A learner frozen past the request timeout: a retried ticket request was granted
+    twice, then the actor's Hello voided both. One group of the voided tickets arrives (an
+    orphan); the duplicate never will. A ticket granted after the Hello must be taken back
+    by its group, else the straggler wait counts it at risk for good (the frozen-learner
+    test waited learner.straggler_wait_s = 300 s at every step after the freeze)."""
+    from learner.ledger import Ledger
+
+    led = Ledger()
+    led.hello(0, pid=7, version=0)
+    led.actor(0).grant(2, 0)  # the request and its retry, both granted on epoch 0
+    epoch = led.actor(0).epoch
+    assert led.hello(0, pid=7, version=0) == ("reconnect", 2)  # voids both
+    assert led.actor(0).epoch == epoch + 1
+    assert not led.receive(0, 7.0, 0.0, float(epoch))  # the one used: an orphan
+    led.actor(0).grant(1, 1)  # granted after the Hello
+    assert led.at_risk(1) == 1
+    assert led.receive(0, 7.0, 1.0, float(epoch + 1))  # its group gives it back
+    assert led.at_risk(sys.maxsize) == 0
+    # an actor that does not report epochs (-1) keeps the counted orphans
+    led.actor(0).grant(1, 2)
+    led.hello(0, pid=7, version=2)
+    assert not led.receive(0, 7.0, 2.0)  # the one orphan counted
 
 
 def test_no_ticket_past_the_last_steps_groups(tmp_path):

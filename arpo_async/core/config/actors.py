@@ -100,7 +100,7 @@ class SamplingConfig(_Section):
         "tokens only, where entropy is read (vLLM: a longer round is sent as two requests, "
         "the second prefilling the context again); false: top-k on every token, one request "
         "per round. Which pays depends on the vocabulary and the rounds' length "
-        "(bench/round_requests.py: false is 1.04x on the default job's 2,048-token "
+        "(bench/round_requests.py: false is 1.04-1.05x on the default job's 2,048-token "
         "vocabulary and ~18-token rounds, true 1.13x on Qwen3's 151,936 and 320-token "
         "rounds). The exact estimator's whole vectors are always asked over the window only")
 

@@ -168,6 +168,10 @@ class TicketGrant:
     learner_version: int  # version of the newest published weights
     stop: bool = False  # the run is over: finish up and say Bye
     reason: str = ""
+    # how many times the learner has voided this actor's tickets (a Hello after a timeout,
+    # a silence): a group reports the epoch of its ticket (stats["ticket_epoch"]), so that
+    # a group of a voided ticket is told apart from one of a ticket granted since
+    epoch: int = 0
 
 
 @dataclass
