@@ -87,8 +87,6 @@ RENAMED: dict[str, str] = {
                         ("python_max_sessions", "max_sessions (with state: session)"),
                         ("python_session_idle_s", "session_idle_s (with state: session)"),
                         ("python_checkpoint_mb", "checkpoint_mb (with state: session)"))},
-}
-RENAMED.update({
     "tools.retriever_url": "moved; use tools.search.retriever_url (the search tool's own "
     "section)",
     "tools.search_topk": "moved; use tools.search.topk",
@@ -101,7 +99,7 @@ RENAMED.update({
     "learner.loss.is_mask_high": "moved; use learner.loss.importance.high (with mode: mask)",
     "learner.nccl_buffer_mb": "moved; use learner.weight_sync.buffer_mb (with channel: nccl)",
     "learner.nccl_timeout_s": "moved; use learner.weight_sync.timeout_s (with channel: nccl)",
-})
+}
 # tagged unions by the field that holds them: the member's tag is dropped from error paths
 UNIONS = {"loss": LOSS, "python": PYTHON, "weight_sync": WEIGHT_SYNC,
           "importance": IMPORTANCE}

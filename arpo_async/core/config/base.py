@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 
 class ConfigError(ValueError):
@@ -22,14 +22,15 @@ class Tagged:
     ``Field(discriminator=...)``): ``members`` maps each tag value to its class, whose
     ``tag`` field is a ``Literal`` of that value; ``default`` is the value when the key is
     left out. ``where`` is the section's dotted path and ``noun`` what a tag value is
-    called, for errors."""
+    called, for errors. ``annotation`` is the field's type: it validates through
+    ``section`` first, so a field declared with it needs no validator of its own."""
 
     def __init__(self, where: str, tag: str, members: dict[str, type[_Section]], default: str,
                  noun: str):
         self.where, self.tag, self.members, self.default = where, tag, members, default
         self.noun = noun
         self.annotation = Annotated[Union[tuple(members.values())],  # noqa: UP007
-                                    Field(discriminator=tag)]
+                                    Field(discriminator=tag), BeforeValidator(self.section)]
 
     def section(self, raw: Any) -> Any:
         """The raw mapping with its tag (the default when left out); a key of another
@@ -37,6 +38,8 @@ class Tagged:
         if not isinstance(raw, dict):
             return raw
         kind = raw.get(self.tag, self.default)
+        if kind is False and "off" in self.members:
+            kind = "off"  # YAML 1.1 reads a bare `off` as false
         cls = self.members.get(kind)
         if cls is None:
             raise ValueError(f"{self.where}.{self.tag}: {kind!r} is not a {self.noun} "

@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from arpo_async.core.config.base import Tagged, _Section
-from arpo_async.core.config.losses import LossConfig, PPOLoss, loss_section
+from arpo_async.core.config.losses import LossConfig, PPOLoss
 
 
 _CHANNEL = ("weights to actors (arpo_async/core/weights/): zmq, ZeroMQ copies (any host); "
@@ -114,15 +114,6 @@ class LearnerConfig(_Section):
         "file under run_dir/trees, the newest 200 files and 64 MiB at most, for "
         "`python -m arpo_async.jobs.analyze trees`")
     loss: LossConfig = Field(default_factory=PPOLoss)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _loss_type(cls, data):
-        if isinstance(data, dict) and "loss" in data:
-            data = {**data, "loss": loss_section(data["loss"])}
-        if isinstance(data, dict) and "weight_sync" in data:
-            data = {**data, "weight_sync": WEIGHT_SYNC.section(data["weight_sync"])}
-        return data
 
     @model_validator(mode="after")
     def _minibatches_fit(self):

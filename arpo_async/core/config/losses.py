@@ -65,13 +65,6 @@ class _LossBase(_Section):
     aepo_entropy_adv_gamma: float = Field(
         0.0, description="AEPO: entropy-aware advantage gamma")
 
-    @field_validator("importance", mode="before")
-    @classmethod
-    def _importance_mode(cls, raw):
-        if isinstance(raw, dict) and raw.get("mode") is False:
-            raw = {**raw, "mode": "off"}  # YAML 1.1 reads a bare `off` as false
-        return IMPORTANCE.section(raw)
-
 
 class PPOLoss(_LossBase):
     """Token-level clipped ratio (PPO, with DAPO's asymmetric clip, dual clip and AEPO's
@@ -122,8 +115,3 @@ LOSS_TYPES: dict[str, type[_LossBase]] = {"ppo": PPOLoss, "gspo": GSPOLoss,
 LOSS = Tagged("learner.loss", "type", LOSS_TYPES, "ppo", "loss type")
 LossConfig = LOSS.annotation
 
-
-def loss_section(raw):
-    """The raw ``learner.loss`` mapping with its ``type`` (``ppo`` when left out); a key
-    of another loss type is refused with both types named."""
-    return LOSS.section(raw)

@@ -179,11 +179,6 @@ class ToolsConfig(_Section):
                 raise ValueError(f"tools.custom[{i}]={path}: expected module:Class")
         return paths
 
-    @field_validator("python", mode="before")
-    @classmethod
-    def _python_state(cls, raw: Any) -> Any:
-        return PYTHON.section(raw)
-
     @field_validator("mcp", mode="before")
     @classmethod
     def _mcp_servers(cls, entries: Any) -> list[McpStdioServer | McpHttpServer]:
