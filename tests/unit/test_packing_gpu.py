@@ -2,7 +2,8 @@
 padded path's loss and gradients: FlexAttention block masks for tree and flat packing
 (no T x T mask), and flash-attention varlen for flat packing (bf16, when flash-attn is
 installed). Marked ``gpu``: skipped without CUDA (tests/conftest.py). Written against
-torch 2.13 and transformers 5.19; not yet run on a GPU in this repository."""
+torch 2.13 and transformers 5.19; passed on one H200 (torch 2.11, CUDA 13.0) on 2026-12-04,
+flash-attn not installed there."""
 
 from __future__ import annotations
 
