@@ -76,8 +76,8 @@ def parse_ids(text: str) -> list[int]:
 async def run_actors(cfg, actor_ids: list[int]) -> None:
     """Several actors in one process, each the ordinary actor path as a task: only for the
     simulated engine (throughput experiments with many actors, actors/engines/sim_engine.py)."""
-    if len(actor_ids) > 1 and cfg.actors.engine != "simulated":
-        raise ValueError(f"actors.engine is {cfg.actors.engine!r}: only simulated actors can "
+    if len(actor_ids) > 1 and cfg.actors.engine.type != "simulated":
+        raise ValueError(f"actors.engine is {cfg.actors.engine.type!r}: only simulated actors can "
                          "share a process")
     await asyncio.gather(*(run_actor(cfg, i) for i in actor_ids))
 

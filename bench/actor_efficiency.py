@@ -59,7 +59,7 @@ def bench_config(model: str, target: int, group_size: int, extra: list[str],
 
     return load_config(SPINE_CONFIG, overrides=[
         f"model.path={model}", "actors.engine=vllm", f"actors.max_inflight_trajectories={target}",
-        f"actors.enable_prefix_caching={str(prefix).lower()}",
+        f"actors.engine.enable_prefix_caching={str(prefix).lower()}",
         f"actors.concurrent_groups={max(1, slots // group_size)}",
         "rollout.mode=grpo", f"rollout.group_size={group_size}",
         f"rollout.initial_samples={group_size}", "rollout.tool_call_limit=3",

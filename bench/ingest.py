@@ -8,7 +8,7 @@ bench/results/ingest.json.
    ledger), then turns each batch into training tensors (``samples_from_groups`` with soft
    advantages, ``balanced_split``, ``collate``). Figure: groups per second through all of
    it, and each stage's cost measured on its own in-process (decode, admit, batch).
-2. 64 simulated actors (one process, ``sim.actors_per_process=64``) against a real
+2. 64 simulated actors (one process, ``actors.engine.actors_per_process=64``) against a real
    learner (``learner.main`` training the tiny model) started by ``arpo_async.launch``:
    whether any message is lost (every actor's sent == received == trained + dropped) and
    how often the learner waits for data (steps that waited > 50 ms, and the fraction of
@@ -140,7 +140,7 @@ def many_actors(actors: int, steps: int, model: str, run_dir: str) -> dict:
     cmd = [sys.executable, "-m", "arpo_async.launch", "--quiet", "--config", str(SPINE_CONFIG),
            f"run.dir={run_dir}", f"model.path={model}", "actors.engine=simulated",
            f"actors.num={actors}",
-           f"sim.actors_per_process={actors}", f"learner.max_steps={steps}",
+           f"actors.engine.actors_per_process={actors}", f"learner.max_steps={steps}",
            "learner.batch_groups=8", "learner.max_staleness=2", "rollout.mode=arpo",
            "rollout.group_size=8", "rollout.initial_samples=4", "actors.max_restarts=0"]
     res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)

@@ -50,8 +50,8 @@ timeout 420 "$PY" -m arpo_async.launch --quiet \
   model.tiny_hidden=512 model.tiny_layers=4 model.tiny_heads=8 model.dtype=bfloat16 \
   model.max_model_len=1024 \
   cluster.device=cuda "cluster.learner_gpus=[0]" "cluster.actor_gpus=[$ACTOR_GPU]" \
-  actors.num=1 actors.engine=vllm actors.gpu_memory_utilization=0.3 \
-  actors.cuda_graphs=false actors.enable_prefix_caching=true actors.concurrent_groups=8 \
+  actors.num=1 actors.engine=vllm actors.engine.gpu_memory_utilization=0.3 \
+  actors.engine.cuda_graphs=false actors.engine.enable_prefix_caching=true actors.concurrent_groups=8 \
   learner.weight_sync.channel=$SYNC learner.max_steps=30 learner.batch_groups=4 \
   learner.max_staleness=1 learner.lr=1e-5 \
   rollout.mode=grpo rollout.group_size=8 rollout.initial_samples=8 \

@@ -24,20 +24,21 @@ async def build_engine(
     ``model_path`` (already resolved by ``tiny_model.ensure_model``). Its sampling seed
     is ``run.seed + actor_id`` so actors draw different samples."""
     seed = cfg.run.seed + actor_id
-    kind = cfg.actors.engine
+    eng = cfg.actors.engine
+    kind = eng.type
     if kind == "vllm":
         return await VLLMEngine.create(
             model_path, dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
-            kv_cache_gib=cfg.actors.kv_cache_gib, seed=seed,
+            kv_cache_gib=eng.kv_cache_gib, seed=seed,
             # the exact entropy reads every token's whole distribution: no cap (-1)
             max_logprobs=(-1 if cfg.rollout.entropy_estimator == "exact"
-                          else max(cfg.actors.max_logprobs, cfg.sampling.logprobs_topk)),
+                          else max(eng.max_logprobs, cfg.sampling.logprobs_topk)),
             # CUDA graphs only on GPU: the CPU backend runs eager
-            enforce_eager=cfg.cluster.device == "cpu" or not cfg.actors.cuda_graphs,
+            enforce_eager=cfg.cluster.device == "cpu" or not eng.cuda_graphs,
             cpu_threads=cfg.actors.threads,
             cpu_bind=cpu_bind_for(actor_id, cfg.actors.threads),
-            gpu_memory_utilization=cfg.actors.gpu_memory_utilization,
-            tensor_parallel=cfg.actors.tensor_parallel,
+            gpu_memory_utilization=eng.gpu_memory_utilization,
+            tensor_parallel=eng.tensor_parallel,
             enable_prefix_caching=prefix_caching(cfg), version=version,
             weight_transfer="nccl" if cfg.learner.weight_sync.channel == "nccl" else None,
             update_mode=cfg.actors.weight_update_mode(),
@@ -56,6 +57,7 @@ async def build_engine(
 
 
 def prefix_caching(cfg: Config) -> bool:
-    """``actors.enable_prefix_caching``, with null meaning: on GPUs, off on CPU."""
-    on = cfg.actors.enable_prefix_caching
+    """``actors.engine.enable_prefix_caching`` (vLLM), with null meaning: on GPUs, off on
+    CPU."""
+    on = cfg.actors.engine.enable_prefix_caching
     return cfg.cluster.device == "cuda" if on is None else bool(on)

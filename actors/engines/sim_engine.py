@@ -1,11 +1,12 @@
 """A generation engine without a model, for throughput experiments (``actors.engine=simulated``).
 
 ``SimulatedEngine`` implements the ``GenerationEngine`` protocol: it paces tokens with
-``asyncio.sleep`` at ``sim.tokens_per_s`` per sequence (optionally capped for the whole
-engine), draws them from a seeded generator, and returns plausible behaviour log-probs and
-top-k log-probs whose tail-corrected entropy (the estimate the rollout uses) follows a
-configured profile: ``sim.entropy`` for a first round, ``sim.entropy_after_tool`` for a
-round that follows a tool result. A round is free text (ordinary vocabulary tokens, never
+``asyncio.sleep`` at ``tokens_per_s`` per sequence (its settings are the keys of
+``actors.engine`` with ``type: simulated``; optionally capped for the whole engine), draws
+them from a seeded generator, and returns plausible behaviour log-probs and top-k log-probs
+whose tail-corrected entropy (the estimate the rollout uses) follows a configured profile:
+``entropy`` for a first round, ``entropy_after_tool`` for a round that follows a tool
+result. A round is free text (ordinary vocabulary tokens, never
 a tag, brace or backslash) ending in a tool call of an enabled tool (``<python>print(3+4)
 </python>``, ``<search>...</search>``, with the tokenizer's own tag ids), an answer
 (``<answer>\\boxed{N}</answer>``) or end-of-sequence, so the real AgentRollout, tools,
@@ -19,7 +20,7 @@ the top-k log-probs are the k best ranks and the sampled rank is drawn by invers
 
 ``python -m actors.main --config RUN_DIR/config.yaml --actor-ids 0-63`` runs many
 simulated actors in one process, each an asyncio task with its own engine, sockets and
-actor id (the launcher does this when ``sim.actors_per_process`` > 1): 64 processes that
+actor id (the launcher does this when ``actors.engine.actors_per_process`` > 1): 64 processes that
 each import torch would not fit a small machine.
 """
 
@@ -147,8 +148,9 @@ class SimulatedEngine:
     @classmethod
     async def create(cls, cfg, model_path: str, seed: int, version: int = 0) -> SimulatedEngine:
         vocab = await asyncio.to_thread(load_vocab, str(model_path))
-        return cls(cfg.sim, vocab, cfg.tools.enabled, seed, version, cfg.model.max_model_len,
-                   checkpoint_shapes(str(model_path)), cfg.actors.weight_update_mode())
+        return cls(cfg.actors.engine, vocab, cfg.tools.enabled, seed, version,
+                   cfg.model.max_model_len, checkpoint_shapes(str(model_path)),
+                   cfg.actors.weight_update_mode())
 
     # ------------------------------------------------------------------ generation
     async def generate(self, req: GenRequest) -> GenResult:
@@ -284,7 +286,7 @@ class SimulatedEngine:
     # ------------------------------------------------------------------ weights
     async def update_weights(self, tensors: dict, version: int) -> float:
         """Checks names and shapes against the checkpoint, then holds new calls for
-        ``sim.update_s`` at a safe point, as a real load would; returns seconds paused."""
+        ``actors.engine.update_s`` at a safe point, as a real load would; returns seconds paused."""
         shapes = {k: tuple(getattr(v, "shape", ())) for k, v in tensors.items()}
         optional = ["lm_head.weight"] if self._expected and "lm_head.weight" not in \
             self._expected else []

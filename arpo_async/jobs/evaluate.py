@@ -62,8 +62,8 @@ def eval_config(cfg: Config, data: str | Path, k: int, temperature: float | None
     tree["task"].update(name="file", data=str(data))
     if temperature is not None:
         tree["sampling"]["temperature"] = temperature
-    if engine:
-        tree["actors"]["engine"] = engine
+    if engine and engine != cfg.actors.engine.type:  # another engine, with its defaults
+        tree["actors"]["engine"] = {"type": engine}
     tools = tree["tools"]
     if retriever_url:
         tools["search"]["retriever_url"] = retriever_url
@@ -259,7 +259,7 @@ async def evaluate_async(cfg: Config, data: str | Path, k: int = 4, limit: int |
     items = [r for r in items if "error" not in r]
     summary = {
         "model": str(model_path), "data": str(data), "k": k, "engine":
-            "endpoint" if endpoint else cfg.actors.engine,
+            "endpoint" if endpoint else cfg.actors.engine.type,
         "temperature": cfg.sampling.temperature, **_summarise(items, k),
         "skipped_too_long": len(skipped), "failed": len(failed),
         **_speed(tokens, engine_s, gen_s, time.perf_counter() - t_start), "tools": {

@@ -11,7 +11,7 @@ utilisation vs actors, staleness histogram, reward vs wall-clock per setting.
 start a batch only once the learner has published the weights of the previous step
 (lockstep generation, docs/design.md "Staleness and admission"). ``--simulate`` uses the
 simulated engine (``actors.engine=simulated``; all actors of a run in one process unless
-``sim.actors_per_process`` is given), so large actor counts fit on one machine.
+``actors.engine.actors_per_process`` is given), so large actor counts fit on one machine.
 
 ``python -m arpo_async.jobs.experiments chaos ...`` is the chaos soak: a real
 run under seeded random faults, then a verdict (arpo_async/jobs/chaos.py).
@@ -211,8 +211,8 @@ def plan_runs(args) -> tuple[list[tuple[str, list[str], object]], str]:
             extra = [f"model.path={model}", f"run.dir={out / 'runs' / name}",
                      f"learner.max_steps={args.steps}", f"run.time_limit_s={args.time_limit}",
                      f"actors.num={n}", f"learner.max_staleness={eta}"]
-            if args.simulate and "sim.actors_per_process" not in user_keys:
-                extra.append(f"sim.actors_per_process={max(n, 1)}")
+            if args.simulate and "actors.engine.actors_per_process" not in user_keys:
+                extra.append(f"actors.engine.actors_per_process={max(n, 1)}")
             overrides = [*base, *extra]
             try:
                 run_cfg = load_config(args.config, overrides)
@@ -235,7 +235,7 @@ def sweep(args) -> list[dict]:
                             timeout_s=args.time_limit + args.startup_timeout)
         row, ser = summarize_run(cfg.run.dir, admission_slots(cfg))
         row |= {"name": name, "actors": cfg.actors.num, "max_staleness":
-                cfg.learner.max_staleness, "engine": cfg.actors.engine, "status": status,
+                cfg.learner.max_staleness, "engine": cfg.actors.engine.type, "status": status,
                 "mode": "sync (lockstep)" if cfg.learner.max_staleness == 0 else "async"}
         rows.append({c: row.get(c, float("nan")) for c in COLUMNS})
         series[name] = ser

@@ -12,7 +12,7 @@ Layout rules, checked here with errors that name the key:
 - the learner runs ``learner.world_size`` ranks: one process on this machine, torchrun
   for several local ranks, or DeepSpeed's multi-node launcher over ``cluster.hostfile``;
 - actor ids are 0..actors.num-1 for local actors, then the remote groups in order;
-- on GPUs every actor takes ``actors.tensor_parallel`` consecutive ids of its list;
+- on GPUs every actor takes ``actors.engine.tensor_parallel`` consecutive ids of its list;
 - NCCL weight sync cannot put two ranks on one GPU, so a local actor may not share the
   learner's first GPU then.
 """
@@ -148,7 +148,7 @@ def actor_gpu_slices(gpus: list[int], n: int, tp: int, where: str) -> list[list[
     if len(set(gpus)) != len(gpus):
         raise ConfigError(f"{where}: duplicate GPU ids in {gpus}")
     if len(gpus) < n * tp:
-        raise ConfigError(f"{where}: {n} actors x actors.tensor_parallel={tp} need {n * tp} "
+        raise ConfigError(f"{where}: {n} actors x actors.engine.tensor_parallel={tp} need {n * tp} "
                           f"GPU ids, got {len(gpus)} ({gpus})")
     return [gpus[i * tp:(i + 1) * tp] for i in range(n)]
 
@@ -173,13 +173,14 @@ def _keys_dir(cfg: Config) -> str | None:
 
 
 def _actor_roles(cfg: Config, config_path: str, python: str) -> list[RoleSpec]:
-    cl, tp = cfg.cluster, cfg.actors.tensor_parallel
+    cl, tp = cfg.cluster, cfg.actors.gpus_per_actor
     cuda = cl.device == "cuda"
     nccl = cfg.learner.weight_sync.channel == "nccl"  # with a hostfile: if this is rank 0's machine
     base = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
             "OMP_NUM_THREADS": str(cfg.actors.threads)}
     n = cfg.actors.num
-    per = cfg.sim.actors_per_process if cfg.actors.engine == "simulated" else 1
+    eng = cfg.actors.engine
+    per = eng.actors_per_process if eng.type == "simulated" else 1
     if per > 1:  # simulated actors share processes (actors/engines/sim_engine.py); no GPU
         roles = []
         for first in range(0, n, per):
@@ -202,7 +203,7 @@ def _actor_roles(cfg: Config, config_path: str, python: str) -> list[RoleSpec]:
 
 def _remote_roles(cfg: Config) -> list[RoleSpec]:
     """Actors started by hand on other machines, ids after the local ones."""
-    cl, tp, cuda = cfg.cluster, cfg.actors.tensor_parallel, cfg.cluster.device == "cuda"
+    cl, tp, cuda = cfg.cluster, cfg.actors.gpus_per_actor, cfg.cluster.device == "cuda"
     endpoint = f"tcp://{connect_address(cfg)}:{cfg.transport.control_port}"
     keys = _keys_dir(cfg)
     roles, next_id = [], cfg.actors.num
@@ -234,9 +235,9 @@ def check_placement(cfg: Config) -> list[str]:
                 raise ConfigError(f"cluster.{key} is set but cluster.device=cpu")
         if any(r.gpus for r in cl.remote_actors):
             raise ConfigError("cluster.remote_actors[].gpus is set but cluster.device=cpu")
-    if cfg.learner.weight_sync.channel == "nccl" and cfg.actors.engine != "vllm":
+    if cfg.learner.weight_sync.channel == "nccl" and cfg.actors.engine.type != "vllm":
         raise ConfigError(f"learner.weight_sync.channel=nccl needs actors.engine=vllm "
-                          f"(got {cfg.actors.engine})")
+                          f"(got {cfg.actors.engine.type})")
     remote_hosts = [r.host for r in cl.remote_actors]
     if cl.hostfile:
         remote_hosts += list(learner_hosts(cfg))
@@ -253,12 +254,13 @@ def check_placement(cfg: Config) -> list[str]:
                               "learner and a local actor, and NCCL cannot connect two ranks "
                               "on one GPU; give the actors other cluster.actor_gpus or use "
                               "learner.weight_sync.channel=zmq")
-        if shared:
+        if shared and cfg.actors.engine.type == "vllm":
+            share = cfg.actors.engine.gpu_memory_utilization
             notes.append(f"GPUs {shared} are shared by the learner and local actors: vLLM "
-                         f"takes actors.gpu_memory_utilization={cfg.actors.gpu_memory_utilization}"
-                         " of each; leave the learner the rest")
-    if cl.device == "cuda" and cfg.actors.engine != "vllm":
-        notes.append(f"actors.engine={cfg.actors.engine} does not use the GPU (only the vLLM "
+                         f"takes actors.engine.gpu_memory_utilization={share} of each; leave "
+                         "the learner the rest")
+    if cl.device == "cuda" and cfg.actors.engine.type != "vllm":
+        notes.append(f"actors.engine={cfg.actors.engine.type} does not use the GPU (only the vLLM "
                      "engine does); its actors compute on the CPU")
     if cfg.learner.weight_sync.channel == "nccl":
         notes.append("weights: NCCL to vLLM actors on the learner's machine, ZeroMQ to the "
@@ -317,8 +319,8 @@ def format_plan(cfg: Config, roles: list[RoleSpec], notes: list[str]) -> str:
     remote = [r for r in roles if not r.local]
     out = [f"run folder {cfg.run.dir}; device {cl.device}; model {cfg.model.path}",
            f"learner: {cfg.learner.world_size} rank(s), ZeRO-{cfg.learner.zero_stage}; "
-           f"actors: {len(local)} local + {len(remote)} remote, engine {cfg.actors.engine}, "
-           f"tensor parallel {cfg.actors.tensor_parallel}",
+           f"actors: {len(local)} local + {len(remote)} remote, engine {cfg.actors.engine.type}, "
+           f"tensor parallel {cfg.actors.gpus_per_actor}",
            f"learner binds {cfg.transport.host}: trajectories port "
            f"{cfg.transport.trajectory_port or 'auto'}, control port "
            f"{cfg.transport.control_port or 'auto'}"

@@ -46,8 +46,9 @@ log = logging.getLogger("arpo_async.launcher.remote")
 
 HOST_LOCAL_KEYS = (
     "model.path", "task.data", "tools.cache_dir", "tools.search.retriever_url", "actors.threads",
-    "actors.kv_cache_gib", "actors.gpu_memory_utilization", "actors.tensor_parallel",
-    "actors.enable_prefix_caching", "actors.cuda_graphs", "actors.concurrent_groups",
+    "actors.engine.kv_cache_gib", "actors.engine.gpu_memory_utilization",
+    "actors.engine.tensor_parallel", "actors.engine.enable_prefix_caching",
+    "actors.engine.cuda_graphs", "actors.concurrent_groups",
     "actors.max_inflight_trajectories",
     "transport.connect_timeout_s",
 )

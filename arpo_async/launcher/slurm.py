@@ -119,7 +119,7 @@ def _sbatch_lines(cfg: Config, lay: Layout, workdir: str) -> list[str]:
               f"--cpus-per-task={cfg.actors.threads}"]
     if cuda:
         learner.append(f"--gpus-per-node={lay.ranks_per_node}")
-        actors.append(f"--gpus-per-node={lay.actors_per_node * cfg.actors.tensor_parallel}")
+        actors.append(f"--gpus-per-node={lay.actors_per_node * cfg.actors.gpus_per_actor}")
     name = Path(cfg.run.dir).name or "run"
     out = [f"#SBATCH --job-name=arpo-{name}", f"#SBATCH --chdir={workdir}",
            f"#SBATCH --output={cfg.run.dir}/logs/slurm-%j.out"]
@@ -134,7 +134,7 @@ def sbatch_script(cfg: Config, lay: Layout, python: str, workdir: str) -> str:
     config = shlex.quote(f"{cfg.run.dir}/config.yaml")
     port = cfg.cluster.master_port or DEFAULT_MASTER_PORT
     accel = "cuda" if cfg.cluster.device == "cuda" else "cpu"
-    gpu_step = (f" --gpus={cfg.actors.tensor_parallel}" if accel == "cuda" else "")
+    gpu_step = (f" --gpus={cfg.actors.gpus_per_actor}" if accel == "cuda" else "")
     total = lay.nodes_actors * lay.actors_per_node
     body = f"""#!/bin/bash
 # arpo_async on Slurm (python -m arpo_async.launch --slurm): the learner on het group 0,

@@ -57,8 +57,8 @@ def prompt(tokenizer) -> list[int]:
 async def vllm_engine(tiny_model_dir):
     """One engine for the module, built through ``build_engine`` (start-up ~30-50 s)."""
     pytest.importorskip("vllm")
-    cfg = config_from_dict({"actors": {"engine": "vllm", "kv_cache_gib": 0.5, "threads": 1,
-                                       "update_mode": "interrupt"},
+    cfg = config_from_dict({"actors": {"engine": {"type": "vllm", "kv_cache_gib": 0.5},
+                                       "threads": 1, "update_mode": "interrupt"},
                             "model": {"path": str(tiny_model_dir), "max_model_len": 512}})
     t0 = time.perf_counter()
     engine = await build_engine(cfg, str(tiny_model_dir), actor_id=0, version=0)

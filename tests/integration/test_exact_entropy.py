@@ -64,8 +64,8 @@ async def test_exact_entropy_from_the_simulated_engine(tiny_model_dir):
     """The simulated law's tail is uniform, so its tail-corrected top-k estimate is its
     exact entropy: the two estimators agree on it."""
     cfg = config_from_dict({"model": {"path": str(tiny_model_dir)},
-                            "actors": {"engine": "simulated"}, "tools": {"enabled": ["python"]},
-                            "sim": {"tokens_per_s": 5000.0}})
+                            "actors": {"engine": {"type": "simulated", "tokens_per_s": 5000.0}},
+                            "tools": {"enabled": ["python"]}})
     sim = await build_engine(cfg, str(tiny_model_dir))
     res = await sim.generate(GenRequest([1, 2, 3], max_tokens=40, logprobs_topk=20,
                                         topk_window=WINDOW, entropy=True, seed=2))

@@ -59,7 +59,7 @@ def test_sweep_simulated(tiny_model_dir, tmp_path):
     cmd = [PY, "-m", "arpo_async.jobs.experiments", "sweep", "--actors", "2", "--max-staleness",
            "0,1", "--simulate", "--steps", "4", "--time-limit", "120", "--out", str(out),
            f"model.path={tiny_model_dir}", "rollout.mode=arpo", "rollout.group_size=4",
-           "rollout.initial_samples=2", "sim.tokens_per_s=300"]
+           "rollout.initial_samples=2", "actors.engine.tokens_per_s=300"]
     res = subprocess.run(cmd, cwd=REPO, env=python_env(), capture_output=True, text=True,
                          timeout=400)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -92,7 +92,7 @@ def test_64_simulated_actors_in_one_process_lose_nothing(tiny_model_dir, tmp_pat
     run_dir = tmp_path / "run"
     cmd = [PY, "-m", "arpo_async.launch", "--quiet", "--config", SPINE, f"run.dir={run_dir}",
            f"model.path={tiny_model_dir}", "actors.engine=simulated", "actors.num=64",
-           "sim.actors_per_process=64", "learner.max_steps=4", "learner.batch_groups=8",
+           "actors.engine.actors_per_process=64", "learner.max_steps=4", "learner.batch_groups=8",
            "rollout.mode=arpo", "rollout.group_size=4", "rollout.initial_samples=2",
            "actors.max_restarts=0"]
     res = subprocess.run(cmd, cwd=REPO, env=python_env(), capture_output=True, text=True,

@@ -6,7 +6,7 @@ working folder, where the client keys were copied as docs/scale-out.md says.
 
 The actors run ``actors.engine=simulated``: the real actor process, sockets, tickets,
 weights and ledger, and the real DeepSpeed learner, with tokens paced by the clock
-(``sim.tokens_per_s``) instead of a model, which is all these tests are about.
+(``actors.engine.tokens_per_s``) instead of a model, which is all these tests are about.
 
 One run (module fixture ``cut_run``) checks the join, a client without the keys
 (refused and counted), an actor host whose cable is pulled for 20 s (the learner goes on
@@ -18,7 +18,7 @@ A second run pulls the learner host's cable: both actors stop with exit code 69 
 Pacing (the runs' shape does not depend on this machine's speed): each actor generates
 one group at a time (``actors.max_inflight_trajectories = 4`` = ``rollout.group_size``),
 so it nearly always holds a ticket (the cut must catch one in flight), and a group takes
-at least ``16 / sim.tokens_per_s = 1 s``: the learner takes at most one step per second
+at least ``16 / actors.engine.tokens_per_s = 1 s``: the learner takes at most one step per second
 with both actors and half that with one. 32 steps then leave at least 10 s for the
 rejoin after 20 s of cut, and a few steps after the other host is gone for good.
 """
@@ -76,16 +76,17 @@ class Run:
         self.run_dir = self.dirs["learner"] / "run"
         cfg = {
             "run": {"dir": "run"}, "model": {"path": str(model)},
-            "actors": {"num": 0, "engine": "simulated", "start_wait_s": 120,
-                       "max_restarts": 0, "max_inflight_trajectories": 4},
+            "actors": {"num": 0, "start_wait_s": 120, "max_restarts": 0,
+                       "max_inflight_trajectories": 4,
+                       "engine": {"type": "simulated", "tokens_per_s": 16,
+                                  "round_tokens_min": 16, "round_tokens_max": 16,
+                                  "chunk_tokens": 2}},
             "cluster": {"remote_actors": [{"host": hosts.addr[n], "actors": 1}
                                           for n in ("a0", "a1")]},
             "transport": {"host": hosts.addr["learner"], "trajectory_port": TRAJ_PORT,
                           "control_port": CTRL_PORT, "request_timeout_s": 5},
             "rollout": {"mode": "grpo", "group_size": 4, "initial_samples": 4},
             "sampling": {"round_max_tokens": 16, "max_response_tokens": 32},
-            "sim": {"tokens_per_s": 16, "round_tokens_min": 16, "round_tokens_max": 16,
-                    "chunk_tokens": 2},
             "learner": {"batch_groups": 2, "max_staleness": 1, "actor_silent_s": 3,
                         "shutdown_wait_s": 5, "wait_timeout_s": 120},
         }

@@ -4,7 +4,7 @@ simulated engine, where a post-tool state is *settled* (every continuation answe
 once and the same: discordance 0) or *open* (continuations call tools again or answer at
 random: discordance well above 0), decided by a hash of the state.
 
-* null world: the entropy of the round after the result (sim.entropy_after_tool 0.425 or
+* null world: the entropy of the round after the result (actors.engine.entropy_after_tool 0.425 or
   0.575) comes from a second, independent hash: it says nothing about the outcome, so the
   useful-fork ratio's 90% interval must cover 1;
 * planted world: open states get the high entropy, settled ones the low: the ratio must
@@ -80,9 +80,11 @@ class PlantedEngine:
 
 def _cfg(model, data, *extra):
     return load_config(SPINE_CONFIG, overrides=[
-        "actors.engine=simulated", f"model.path={model}", "sim.tokens_per_s=10000000",
-        "sim.round_tokens_min=20", "sim.round_tokens_max=30", "sim.entropy=0.5",
-        "sim.entropy_noise=0.05", "tools.enabled=[python]", "rollout.tool_call_limit=3",
+        "actors.engine=simulated", f"model.path={model}",
+        *(f"actors.engine.{kv}" for kv in ("tokens_per_s=10000000", "round_tokens_min=20",
+                                           "round_tokens_max=30", "entropy=0.5",
+                                           "entropy_noise=0.05")),
+        "tools.enabled=[python]", "rollout.tool_call_limit=3",
         "rollout.entropy_estimator=tail_corrected", "rollout.entropy_reduce=sum",
         "rollout.alpha=0.5", "rollout.beta=0.2", "sampling.max_response_tokens=320",
         "sampling.round_max_tokens=null", "model.max_model_len=1024", "task.name=file",
@@ -101,12 +103,13 @@ async def _world(tmp_path, model, planted: bool, resume=None, n: int = PROMPTS):
                                         "answer": str(i % 7 + 3), "ability": "math"}) + "\n"
                             for i in range(n)))
     cfg = eval_config(_cfg(model, data), data, K)
-    engines = {"first": await SimulatedEngine.create(_cfg(model, data, "sim.tool_call_prob=0.9"),
-                                                     str(model), seed=0)}
+    engines = {"first": await SimulatedEngine.create(
+        _cfg(model, data, "actors.engine.tool_call_prob=0.9"), str(model), seed=0)}
     for kind, prob in (("settled", 0.0), ("open", 0.5)):
         for h in (LOW, HIGH):
             engines[(kind, h)] = await SimulatedEngine.create(
-                _cfg(model, data, f"sim.tool_call_prob={prob}", f"sim.entropy_after_tool={h}"),
+                _cfg(model, data, f"actors.engine.tool_call_prob={prob}",
+                     f"actors.engine.entropy_after_tool={h}"),
                 str(model), seed=0)
     engine = PlantedEngine(engines, engines["first"].vocab.tool_result_end, planted)
     tok = AutoTokenizer.from_pretrained(str(model))

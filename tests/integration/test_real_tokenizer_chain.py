@@ -79,7 +79,7 @@ async def test_sft_then_evaluation_with_a_hermes_call_in_the_sandbox(chain, tmp_
     cfg = config_from_dict({"model": {"path": str(ckpt), "max_model_len": 1024,
                                       "chat_template_kwargs": OFF},
                             "sampling": {"max_response_tokens": 300},
-                            "actors": {"kv_cache_gib": 0.25}, "tools": HERMES})
+                            "actors": {"engine": {"kv_cache_gib": 0.25}}, "tools": HERMES})
     summary = await evaluate_async(cfg, suite / "heldout.jsonl", k=1, out_dir=tmp_path / "eval",
                                    log=lambda line: None)
     assert summary["n"] == 4 and summary["failed"] == summary["skipped_too_long"] == 0
@@ -101,7 +101,7 @@ def test_rl_steps_through_the_launcher_agree_at_step_one(chain, tmp_path):
     overrides = [
         f"run.dir={run_dir}", "run.probe_logprobs=true", f"model.path={ckpt}",
         "model.max_model_len=1024", "model.chat_template_kwargs={enable_thinking: false}",
-        "actors.num=1", "actors.kv_cache_gib=0.25", "task.name=file",
+        "actors.num=1", "actors.engine.kv_cache_gib=0.25", "task.name=file",
         f"task.data={suite / 'rl.jsonl'}", "tools.enabled=[python]", "tools.syntax=hermes",
         "rollout.mode=arpo", "rollout.group_size=4", "rollout.initial_samples=2",
         "rollout.tool_call_limit=2", "sampling.round_max_tokens=null",

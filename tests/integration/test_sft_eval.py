@@ -28,7 +28,7 @@ pytestmark = pytest.mark.integration
 SPEC = gen.SuiteSpec(seed=1, entities=600, sft=300, rl=6, heldout=12)
 EVAL_OVERRIDES = {"sampling": {"max_response_tokens": 200},
                   "tools": {"search": {"topk": SPEC.topk, "snippet_chars": SPEC.snippet_chars}},
-                  "actors": {"kv_cache_gib": 0.25}}
+                  "actors": {"engine": {"kv_cache_gib": 0.25}}}
 
 
 @pytest.fixture(scope="module")

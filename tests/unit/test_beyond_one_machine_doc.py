@@ -10,7 +10,7 @@ import shlex
 
 import yaml
 
-from arpo_async.core.config import Config, load_config
+from arpo_async.core.config import Config, _members, load_config
 from arpo_async.launch import _parser as launch_parser
 from arpo_async.launcher.remote import HOST_LOCAL_KEYS
 from arpo_async.launcher.remote import _parser as actor_parser
@@ -36,12 +36,14 @@ def _blocks(text: str) -> list[str]:
 
 
 def _key_exists(dotted: str) -> bool:
-    model = Config
+    """A key of the config: through sections and any member of a tagged union."""
+    models = (Config,)
     for part in dotted.split("."):
-        fields = getattr(model, "model_fields", {})
-        if part not in fields:
+        found = [m.model_fields[part].annotation for m in models
+                 if part in getattr(m, "model_fields", {})]
+        if not found:
             return False
-        model = fields[part].annotation
+        models = tuple(c for a in found for c in (_members(a) or (a,)))
     return True
 
 

@@ -45,8 +45,14 @@ OLD = {
     "tools.retriever_url=http://h:1/retrieve": ["tools.search.retriever_url"],
     "tools.search_topk=3": ["tools.search.topk"],
     "tools.search_snippet_chars=100": ["tools.search.snippet_chars"],
-    "learner.weight_sync=zmq": ["learner.weight_sync.channel=zmq"],
-    "learner.weight_sync=nccl": ["learner.weight_sync.channel=nccl"],
+    **{f"actors.{key}=1": [f"actors.engine.{key}"]
+       for key in ("kv_cache_gib", "gpu_memory_utilization", "tensor_parallel",
+                   "enable_prefix_caching", "cuda_graphs", "max_logprobs")},
+    **{f"sim.{key}=1": [f"actors.engine.{key}"]
+       for key in ("tokens_per_s", "engine_tokens_per_s", "request_latency_s", "chunk_tokens",
+                   "round_tokens_min", "round_tokens_max", "tool_call_prob", "eos_prob",
+                   "entropy", "entropy_after_tool", "entropy_noise", "update_s",
+                   "actors_per_process")},
     "learner.nccl_buffer_mb=64": ["learner.weight_sync.buffer_mb"],
     "learner.nccl_timeout_s=60": ["learner.weight_sync.timeout_s"],
     "learner.loss.is_mode=mask": ["learner.loss.importance.mode"],
@@ -92,10 +98,10 @@ def test_an_old_yaml_key_is_refused_naming_the_new_key(override, tmp_path):
 
 def test_an_old_file_is_named_even_under_an_override_of_the_new_shape(tmp_path):
     path = tmp_path / "config.yaml"
-    path.write_text("learner: {weight_sync: nccl}\n")
-    with pytest.raises(ConfigError, match=r"^learner.weight_sync=nccl: now a section; use "
-                                          r"learner.weight_sync.channel=nccl$"):
-        load_config(path, ["learner.weight_sync.channel=zmq"])
+    path.write_text("sim: {tokens_per_s: 50}\n")
+    with pytest.raises(ConfigError, match=r"^sim.tokens_per_s: moved; use "
+                                          r"actors.engine.tokens_per_s \(with type: simulated\)$"):
+        load_config(path, ["actors.engine=simulated", "actors.engine.tokens_per_s=60"])
 
 
 def test_a_run_folder_of_the_old_code_names_every_old_key(tmp_path):

@@ -161,9 +161,8 @@ def test_the_weight_channel_is_a_section_whose_keys_follow_its_channel():
     with pytest.raises(ConfigError, match=r"^learner.weight_sync.buffer_mb: a key of weight "
                                           r"channel nccl, not of zmq$"):
         load_config(SPINE_CONFIG, ["learner.weight_sync.buffer_mb=64"])
-    with pytest.raises(ConfigError, match=r"^learner.weight_sync=nccl: now a section; use "
-                                          r"learner.weight_sync.channel=nccl$"):
-        load_config(SPINE_CONFIG, ["learner.weight_sync=nccl"])
+    bare = load_config(SPINE_CONFIG, ["cluster.device=cuda", "learner.weight_sync=nccl"])
+    assert bare.learner.weight_sync == NcclSync()  # a bare channel: its section's defaults
     with pytest.raises(ConfigError, match=r"^learner.nccl_timeout_s: moved; use "
                                           r"learner.weight_sync.timeout_s"):
         load_config(SPINE_CONFIG, ["learner.nccl_timeout_s=60"])
@@ -215,3 +214,35 @@ def test_keep_mode_is_for_the_vllm_engine_only():
         with pytest.raises(ConfigError) as err:
             load_config(SPINE_CONFIG, [f"actors.engine={engine}", "actors.update_mode=keep"])
         assert "actors.update_mode=keep" in str(err.value) and engine in str(err.value)
+
+
+def test_the_engine_is_a_section_whose_keys_follow_its_type(tmp_path):
+    """actors.engine by type: vLLM's keys and the simulated engine's (the old sim.*) each
+    under their own engine; a bare name is that engine with its defaults; the tag an
+    override repeats keeps the section's keys, another tag starts a fresh section."""
+    from arpo_async.core.config import SimulatedEngine, TransformersEngine, VllmEngine
+
+    spine = load_config(SPINE_CONFIG).actors.engine  # configs/spine.yaml: {type: vllm, ...}
+    assert isinstance(spine, VllmEngine) and spine.kv_cache_gib == 1.0
+    cfg = load_config(SPINE_CONFIG, ["actors.engine.kv_cache_gib=2", "actors.engine=vllm"])
+    assert cfg.actors.engine.kv_cache_gib == 2.0
+    sim = load_config(SPINE_CONFIG, ["actors.engine=simulated", "actors.engine.tokens_per_s=50"])
+    assert sim.actors.engine == SimulatedEngine(tokens_per_s=50)
+    hf = load_config(SPINE_CONFIG, ["actors.engine.kv_cache_gib=2", "actors.engine=transformers"])
+    assert hf.actors.engine == TransformersEngine() and hf.actors.gpus_per_actor == 1
+    tp = load_config(SPINE_CONFIG, ["actors.engine.tensor_parallel=2"])
+    assert tp.actors.gpus_per_actor == 2
+    with pytest.raises(ConfigError, match=r"^actors.engine.kv_cache_gib: a key of generation "
+                                          r"engine vllm, not of simulated$"):
+        load_config(SPINE_CONFIG, ["actors.engine=simulated", "actors.engine.kv_cache_gib=2"])
+    with pytest.raises(ConfigError, match=r"^actors.engine.type: 'hf' is not a generation "
+                                          r"engine \(simulated, transformers, vllm\)$"):
+        load_config(SPINE_CONFIG, ["actors.engine=hf"])
+    with pytest.raises(ConfigError, match=r"^actors.engine.round_tokens_min must be <= "):
+        load_config(SPINE_CONFIG, ["actors.engine=simulated", "actors.engine.round_tokens_min=9",
+                                   "actors.engine.round_tokens_max=8"])
+    path = tmp_path / "c.yaml"  # a YAML file: the bare name and the section alike
+    path.write_text("actors: {engine: simulated}\n")
+    assert load_config(path).actors.engine == SimulatedEngine()
+    path.write_text("actors: {engine: {type: simulated, chunk_tokens: 4}}\n")
+    assert load_config(path).actors.engine.chunk_tokens == 4

@@ -31,7 +31,7 @@ import pytest
 
 from actors.engines.base import GenRequest
 from actors.engines.sim_engine import SimulatedEngine, Vocab
-from arpo_async.core.config.actors import SimConfig
+from arpo_async.core.config.actors import SimulatedEngine as SimSettings
 from arpo_async.jobs.analyze_null import (
     _h,
     by_prompt,
@@ -61,7 +61,7 @@ class StateLawEngine(SimulatedEngine):
     """After a tool result: target entropy + ``spread`` * z(prefix), z a standard normal
     fixed by the prefix (the decision's state), and per-token noise ``noise_after``."""
 
-    def __init__(self, sim: SimConfig, seed: int, spread: float, noise_after: float):
+    def __init__(self, sim: SimSettings, seed: int, spread: float, noise_after: float):
         super().__init__(sim, _vocab(), ["python"], seed, 0, 100_000, None)
         self.spread, self.noise_after = spread, noise_after
         self._law = sim
@@ -102,7 +102,7 @@ async def _world(spread: float, noise_after: float, after: float, prompts: int =
                  samples: int = 2, seed: int = 0) -> list[dict]:
     """Trajectories (round, tool result, round) of ``prompts`` x ``samples``, with the
     resampled windows of each decision and prompt; log-probs as the engine gave them."""
-    sim = SimConfig(tokens_per_s=1e9, chunk_tokens=1000, round_tokens_min=K,
+    sim = SimSettings(tokens_per_s=1e9, chunk_tokens=1000, round_tokens_min=K,
                     round_tokens_max=2 * K, tool_call_prob=1.0, entropy=0.4,
                     entropy_after_tool=after, entropy_noise=0.05)
     engine = StateLawEngine(sim, seed, spread, noise_after)

@@ -62,7 +62,7 @@ def test_several_local_learner_ranks_use_torchrun_with_a_parsable_command():
 
 
 def test_gpu_actors_take_tensor_parallel_slices_of_their_gpu_list():
-    cfg = gpu(cluster={"actor_gpus": [4, 5, 6, 7]}, actors={"tensor_parallel": 2})
+    cfg = gpu(cluster={"actor_gpus": [4, 5, 6, 7]}, actors={"engine": {"tensor_parallel": 2}})
     learner, a0, a1 = plan(cfg, CFG_PATH)
     assert learner.env["CUDA_VISIBLE_DEVICES"] == "0" and learner.env["DS_ACCELERATOR"] == "cuda"
     assert (a0.env["CUDA_VISIBLE_DEVICES"], a1.env["CUDA_VISIBLE_DEVICES"]) == ("4,5", "6,7")
@@ -71,7 +71,8 @@ def test_gpu_actors_take_tensor_parallel_slices_of_their_gpu_list():
 
 
 @pytest.mark.parametrize("extra, needle", [
-    ({"cluster": {"actor_gpus": [1]}}, "cluster.actor_gpus: 2 actors x actors.tensor_parallel=1 "
+    ({"cluster": {"actor_gpus": [1]}}, "cluster.actor_gpus: 2 actors x "
+                                       "actors.engine.tensor_parallel=1 "
                                        "need 2 GPU ids, got 1"),
     ({"cluster": {"actor_gpus": [1, 1]}}, "cluster.actor_gpus: duplicate"),
     ({"learner": {"world_size": 2}}, "learner.world_size=2 but cluster.learner_gpus give 1"),
@@ -195,7 +196,7 @@ def test_role_command_is_one_shell_line_that_splits_back():
 
 
 def test_simulated_actors_share_processes_as_the_sim_engine_expects():
-    cfg = cfg_of(actors={"num": 5, "engine": "simulated"}, sim={"actors_per_process": 2})
+    cfg = cfg_of(actors={"num": 5, "engine": {"type": "simulated", "actors_per_process": 2}})
     roles = plan(cfg, CFG_PATH, python="PY")[1:]
     assert [r.name for r in roles] == ["actors0-1", "actors2-3", "actors4-4"]
     assert roles[1].argv == ("PY", "-m", "actors.main", "--config", CFG_PATH,

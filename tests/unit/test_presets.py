@@ -80,7 +80,7 @@ def test_preset_plan_places_every_gpu_once(name, monkeypatch):
     check_placement(cfg)
     local_gpus = [g for r in roles if r.local and r.kind == "actor"
                   for g in r.env["CUDA_VISIBLE_DEVICES"].split(",")]
-    assert len(local_gpus) == len(set(local_gpus)) == cfg.actors.num * cfg.actors.tensor_parallel
+    assert len(local_gpus) == len(set(local_gpus)) == cfg.actors.num * cfg.actors.gpus_per_actor
     assert not set(map(int, local_gpus)) & set(cfg.cluster.learner_gpus)
 
 

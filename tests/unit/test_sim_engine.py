@@ -20,8 +20,10 @@ from toolenv.tags import find_tool_call
 
 
 def _cfg(model: Path, *overrides: str):
+    """The simulated engine's config; an override without a section is one of its keys."""
+    keys = [o if "." in o.split("=", 1)[0] else f"actors.engine.{o}" for o in overrides]
     return load_config(SPINE_CONFIG, overrides=["actors.engine=simulated", f"model.path={model}",
-                                  "sim.tokens_per_s=100000", *overrides])
+                                                "actors.engine.tokens_per_s=100000", *keys])
 
 
 async def _engine(model: Path, *overrides: str, seed: int = 0) -> SimulatedEngine:
@@ -80,7 +82,7 @@ def test_sampled_ranks_follow_the_law():
 
 # ----------------------------------------------------------------------------- rounds
 async def test_round_ends_in_a_parsable_tool_call(tiny_model_dir, vocab, tokenizer):
-    eng = await _engine(tiny_model_dir, "tools.enabled=[python]", "sim.tool_call_prob=1")
+    eng = await _engine(tiny_model_dir, "tools.enabled=[python]", "tool_call_prob=1")
     close = vocab.tags["</python>"][0]
     res = await eng.generate(GenRequest([1, 2, 3], 200, stop_token_ids=_stops(vocab), seed=4))
     assert res.finish_reason == "stop" and res.stop_reason == close and res.tokens[-1] == close
@@ -97,8 +99,8 @@ async def test_round_ends_in_a_parsable_tool_call(tiny_model_dir, vocab, tokeniz
 
 
 async def test_round_ends_in_an_answer_or_length(tiny_model_dir, vocab, tokenizer):
-    eng = await _engine(tiny_model_dir, "sim.tool_call_prob=0", "sim.round_tokens_min=30",
-                        "sim.round_tokens_max=30")
+    eng = await _engine(tiny_model_dir, "tool_call_prob=0", "round_tokens_min=30",
+                        "round_tokens_max=30")
     res = await eng.generate(GenRequest([5, 6], 100, stop_token_ids=_stops(vocab),
                                         logprobs_topk=20, seed=1))
     text = tokenizer.decode(res.tokens, skip_special_tokens=False)
@@ -115,8 +117,8 @@ async def test_round_ends_in_an_answer_or_length(tiny_model_dir, vocab, tokenize
 
 async def test_end_of_round_shares(tiny_model_dir, vocab):
     """tool_call_prob applies only when a tool can be called; eos_prob always."""
-    eng = await _engine(tiny_model_dir, "tools.enabled=[python]", "sim.tool_call_prob=0.5",
-                        "sim.eos_prob=0.2")
+    eng = await _engine(tiny_model_dir, "tools.enabled=[python]", "tool_call_prob=0.5",
+                        "eos_prob=0.2")
     ends = {"tool": 0, "eos": 0, "answer": 0}
     for seed in range(400):
         for stops in (_stops(vocab), _stops(vocab)[1:]):  # with and without </python>
@@ -132,8 +134,8 @@ async def test_end_of_round_shares(tiny_model_dir, vocab):
 
 
 async def test_entropy_rises_after_a_tool_result(tiny_model_dir, vocab):
-    eng = await _engine(tiny_model_dir, "sim.entropy=0.3", "sim.entropy_after_tool=0.8",
-                        "sim.entropy_noise=0")
+    eng = await _engine(tiny_model_dir, "entropy=0.3", "entropy_after_tool=0.8",
+                        "entropy_noise=0")
     after = [1, 2, 3, *vocab.tool_result_end, 198]
     for prompt, want in (([1, 2, 3], 0.3), (after, 0.8)):
         res = await eng.generate(GenRequest(prompt, 40, stop_token_ids=_stops(vocab),
@@ -157,16 +159,16 @@ async def test_seeds_and_bad_prompts(tiny_model_dir, vocab):
 
 # ----------------------------------------------------------------------------- pacing
 async def test_pacing_per_sequence_and_engine_cap(tiny_model_dir, vocab):
-    eng = await _engine(tiny_model_dir, "sim.tokens_per_s=400", "sim.round_tokens_min=60",
-                        "sim.round_tokens_max=60", "sim.chunk_tokens=4")
+    eng = await _engine(tiny_model_dir, "tokens_per_s=400", "round_tokens_min=60",
+                        "round_tokens_max=60", "chunk_tokens=4")
     req = GenRequest([1, 2], 40, seed=3)  # 40 tokens at 400/s: 0.1 s
     t0 = time.perf_counter()
     await asyncio.gather(*(eng.generate(req) for _ in range(4)))
     alone = time.perf_counter() - t0
     assert 0.09 <= alone < 0.6
-    capped = await _engine(tiny_model_dir, "sim.tokens_per_s=400", "sim.round_tokens_min=60",
-                           "sim.round_tokens_max=60", "sim.chunk_tokens=4",
-                           "sim.engine_tokens_per_s=400")
+    capped = await _engine(tiny_model_dir, "tokens_per_s=400", "round_tokens_min=60",
+                           "round_tokens_max=60", "chunk_tokens=4",
+                           "engine_tokens_per_s=400")
     t0 = time.perf_counter()
     await asyncio.gather(*(capped.generate(req) for _ in range(4)))  # 160 tokens at 400/s
     assert time.perf_counter() - t0 >= 0.36
@@ -178,8 +180,8 @@ async def test_update_checks_names_and_drains_or_interrupts_calls_in_flight(tiny
                                                                               mode):
     from safetensors.numpy import load_file
 
-    eng = await _engine(tiny_model_dir, "sim.tokens_per_s=500", "sim.round_tokens_min=50",
-                        "sim.round_tokens_max=50", "sim.update_s=0.05", "sim.chunk_tokens=4",
+    eng = await _engine(tiny_model_dir, "tokens_per_s=500", "round_tokens_min=50",
+                        "round_tokens_max=50", "update_s=0.05", "chunk_tokens=4",
                         f"actors.update_mode={mode}")
     weights = load_file(str(next(Path(tiny_model_dir).glob("*.safetensors"))))
     with pytest.raises(ValueError, match="missing"):
@@ -220,11 +222,11 @@ def test_launcher_groups_simulated_actors(tmp_path):
     from arpo_async.launcher.supervisor import plan
 
     cfg = load_config(SPINE_CONFIG, overrides=["actors.engine=simulated", "actors.num=5",
-                                 "sim.actors_per_process=2", f"run.dir={tmp_path}"])
+                                 "actors.engine.actors_per_process=2", f"run.dir={tmp_path}"])
     roles, _ = plan(cfg, tmp_path / "config.yaml")
     assert [r.name for r in roles] == ["learner", "actors0-1", "actors2-3", "actors4-4"]
     assert roles[3].cmd[1:] == ["-m", "actors.main", "--config",
                                 str(tmp_path / "config.yaml"), "--actor-ids", "4-4"]
-    cfg.actors.engine = "vllm"  # real engines: one process per actor, whatever sim says
+    cfg.actors.engine = "vllm"  # real engines: one process per actor
     roles, _ = plan(cfg, tmp_path / "c.yaml")
     assert [r.name for r in roles][1:] == [f"actor{i}" for i in range(5)]

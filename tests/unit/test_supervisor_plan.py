@@ -67,7 +67,7 @@ def test_two_learner_ranks_get_a_free_rendezvous_port_unless_one_is_fixed(tmp_pa
 
 def test_simulated_actors_share_processes_as_the_plan_groups_them(tmp_path):
     cfg = load_config(SPINE_CONFIG, [f"run.dir={tmp_path}", "actors.engine=simulated",
-                                     "actors.num=5", "sim.actors_per_process=2"])
+                                     "actors.num=5", "actors.engine.actors_per_process=2"])
     roles, remote = supervisor.plan(cfg, CONFIG)
     assert remote == []
     _assert_same(cfg, roles, process_plan(cfg, CONFIG))

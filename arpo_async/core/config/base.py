@@ -33,8 +33,11 @@ class Tagged:
                                     Field(discriminator=tag), BeforeValidator(self.section)]
 
     def section(self, raw: Any) -> Any:
-        """The raw mapping with its tag (the default when left out); a key of another
-        member is refused naming both, an unknown tag naming the known ones."""
+        """The raw mapping with its tag (the default when left out; a bare tag value stands
+        for that member with its defaults); a key of another member is refused naming both,
+        an unknown tag naming the known ones."""
+        if isinstance(raw, (str, bool)):
+            raw = {self.tag: raw}
         if not isinstance(raw, dict):
             return raw
         kind = raw.get(self.tag, self.default)

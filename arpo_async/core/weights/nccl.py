@@ -447,7 +447,7 @@ async def _receiver(cfg: Any, control: Requester, engine: Any, actor_id: int,
                     fallback: WeightReceiver) -> WeightReceiver | None:
     if not hasattr(engine, "receive_weights_nccl"):
         log.warning("actor %d: learner.weight_sync.channel=nccl, but the %s engine cannot receive "
-                    "over NCCL; using ZeroMQ", actor_id, cfg.actors.engine)
+                    "over NCCL; using ZeroMQ", actor_id, cfg.actors.engine.type)
         return None
     return await NcclWeightReceiver.join(control, engine, actor_id, fallback,
                                          cfg.learner.weight_sync.timeout_s)
