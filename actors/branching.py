@@ -102,8 +102,9 @@ class BranchSettings:
 
     @classmethod
     def from_config(cls, rollout_cfg: Any) -> BranchSettings:
-        """From ``arpo_async.core.config.RolloutConfig``: grpo samples all M at once and never
-        forks; arpo/aepo branch; the AEPO switches apply only in aepo mode."""
+        """From the ``rollout`` section (``arpo_async.core.config.RolloutConfig``): grpo
+        samples all M at once and never forks; arpo/aepo branch; the AEPO switches exist in
+        aepo mode only."""
         mode = rollout_cfg.mode
         m = rollout_cfg.group_size
         aepo = mode == "aepo"
@@ -120,7 +121,7 @@ class BranchSettings:
             branching=mode != "grpo",
             aepo_penalty=rollout_cfg.aepo_branch_penalty if aepo else 0.0,
             dynamic_budget=aepo and rollout_cfg.aepo_dynamic_budget,
-            budget_beta=rollout_cfg.aepo_budget_beta,
+            **({"budget_beta": rollout_cfg.aepo_budget_beta} if aepo else {}),
             fork_h_init=rollout_cfg.fork_h_init,
             short_round=rollout_cfg.short_round,
             fill=rollout_cfg.fill,

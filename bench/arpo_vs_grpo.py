@@ -113,21 +113,23 @@ def arm_overrides(arm: str, random_alpha: float | None) -> dict:
 
 def arm_config(base, arm: str, seed: int, args, out: Path, random_alpha: float | None):
     """The validated config an arm runs with."""
-    cfg = base.model_copy(deep=True)
+    from arpo_async.core.config import config_from_dict
+
+    tree = base.model_dump(mode="json")
     overrides = {"run.seed": seed, "run.tool_call_budget": args.tool_calls,
                  "run.time_limit_s": args.max_s,
                  "run.time_limit_from": "first_step",  # start-up, load-dependent, not counted
                  "learner.max_steps": 100000, "pipeline.eval_limit": args.eval_limit,
                  "pipeline.eval_k": args.eval_k, "metrics.wandb": False,
                  **arm_overrides(arm, random_alpha)}
-    for key, value in overrides.items():
+    for key, value in overrides.items():  # on the tree: rollout.mode picks the section's class
         *path, name = key.split(".")
-        node = cfg
+        node = tree
         for part in path:
-            node = getattr(node, part)
-        setattr(node, name, value)
-    cfg.run.dir = str(out / f"{arm}-seed{seed}")
-    return type(cfg).model_validate(cfg.model_dump())  # re-check the changed fields
+            node = node[part]
+        node[name] = value
+    tree["run"]["dir"] = str(out / f"{arm}-seed{seed}")
+    return config_from_dict(tree)
 
 
 def config_hash(cfg) -> str:

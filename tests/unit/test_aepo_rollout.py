@@ -54,9 +54,10 @@ class FakeTools:
 
 
 def _cfg(**rollout):
+    aepo = {"aepo_branch_penalty": 0.0} if rollout.get("mode", "aepo") == "aepo" else {}
     return config_from_dict({
         "rollout": {"mode": "aepo", "group_size": M, "initial_samples": 4, "alpha": 1.0,
-                    "beta": 0.0, "aepo_branch_penalty": 0.0, **rollout},
+                    "beta": 0.0, **aepo, **rollout},
         "sampling": {"max_response_tokens": 200},
         "tools": {"enabled": ["python"]}, "task": {"name": "arith"}})
 

@@ -18,7 +18,7 @@ from actors.branching import (
     aepo_penalty_factor,
     branch_probability,
 )
-from arpo_async.core.config import RolloutConfig
+from arpo_async.core.config import AepoRollout, ArpoRollout, GrpoRollout
 
 
 def _planner(seed=0, initial=None, **kw):
@@ -127,7 +127,7 @@ def test_budget_blocks_forks_and_fill_rule():
 
 
 def test_grpo_never_forks_and_consumes_no_randomness():
-    cfg = RolloutConfig(mode="grpo", group_size=6, initial_samples=2)
+    cfg = GrpoRollout(group_size=6, initial_samples=2)
     s = BranchSettings.from_config(cfg)
     assert s.initial_samples == 6 and not s.branching
     pl = BranchPlanner(s, np.random.default_rng(0))
@@ -139,14 +139,14 @@ def test_grpo_never_forks_and_consumes_no_randomness():
 
 
 def test_from_config_modes():
-    arpo = BranchSettings.from_config(RolloutConfig(mode="arpo", aepo_branch_penalty=0.3))
+    arpo = BranchSettings.from_config(ArpoRollout())
     assert arpo.branching and arpo.aepo_penalty == 0.0 and not arpo.dynamic_budget
     assert (arpo.group_size, arpo.initial_samples) == (8, 4)
-    aepo = BranchSettings.from_config(RolloutConfig(mode="aepo"))
+    aepo = BranchSettings.from_config(AepoRollout())
     assert aepo.aepo_penalty == 0.05 and aepo.dynamic_budget and aepo.budget_beta == 0.5
     assert aepo.entropy_reduce == "sum"
     with pytest.raises(ValueError, match="initial_samples"):
-        BranchSettings.from_config(RolloutConfig(mode="arpo", group_size=2, initial_samples=3))
+        BranchSettings.from_config(ArpoRollout(group_size=2, initial_samples=3))
 
 
 def test_misuse_is_rejected_with_the_trajectory_named():

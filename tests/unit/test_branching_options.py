@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from actors.branching import BranchPlanner, BranchSettings
-from arpo_async.core.config import RolloutConfig
+from arpo_async.core.config import AepoRollout, ArpoRollout
 
 
 def _planner(seed=0, **kw):
@@ -71,7 +71,7 @@ def test_as_is_decides_on_short_rounds():
 
 
 def test_from_config_carries_the_options():
-    s = BranchSettings.from_config(RolloutConfig(fork_h_init="own", short_round="skip"))
+    s = BranchSettings.from_config(ArpoRollout(fork_h_init="own", short_round="skip"))
     assert (s.fork_h_init, s.short_round) == ("own", "skip")
     with pytest.raises(ValueError, match="fork_h_init"):
         BranchSettings(group_size=2, initial_samples=1, fork_h_init="sibling")
@@ -114,10 +114,11 @@ def test_authors_aepo_rule_branches_on_a_high_draw():
 
 
 def test_from_config_carries_fill_and_the_aepo_rule_in_aepo_mode_only():
-    s = BranchSettings.from_config(RolloutConfig(mode="aepo", fill="one_per_round",
-                                                 aepo_rule="authors"))
+    s = BranchSettings.from_config(AepoRollout(fill="one_per_round", aepo_rule="authors"))
     assert (s.fill, s.aepo_rule) == ("one_per_round", "authors")
-    s = BranchSettings.from_config(RolloutConfig(mode="arpo", aepo_rule="authors"))
+    s = BranchSettings.from_config(ArpoRollout())
     assert (s.fill, s.aepo_rule) == ("all", "scaled")
+    with pytest.raises(ValueError, match="aepo_rule"):  # AEPO's keys: in aepo mode only
+        ArpoRollout(aepo_rule="authors")
     with pytest.raises(ValueError, match="fill"):
         BranchSettings(group_size=2, initial_samples=1, fill="some")

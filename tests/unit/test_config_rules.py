@@ -58,7 +58,9 @@ def test_off_is_a_word_and_on_is_still_a_boolean(tmp_path):
 
 def test_entropy_reduce_defaults_to_the_authors_sum():
     cfg = load_config(SPINE_CONFIG)
-    assert cfg.rollout.entropy_reduce == "sum" and cfg.rollout.aepo_budget_beta == 0.5
+    assert cfg.rollout.entropy_reduce == "sum"
+    aepo = load_config(SPINE_CONFIG, ["rollout.mode=aepo"]).rollout
+    assert aepo.entropy_reduce == "sum" and aepo.aepo_budget_beta == 0.5
     with pytest.raises(ConfigError, match="rollout.entropy_reduce"):
         load_config(SPINE_CONFIG, ["rollout.entropy_reduce=max"])
 
@@ -246,3 +248,24 @@ def test_the_engine_is_a_section_whose_keys_follow_its_type(tmp_path):
     assert load_config(path).actors.engine == SimulatedEngine()
     path.write_text("actors: {engine: {type: simulated, chunk_tokens: 4}}\n")
     assert load_config(path).actors.engine.chunk_tokens == 4
+
+
+def test_the_rollout_is_a_section_whose_keys_follow_its_mode():
+    """rollout by mode: grpo, arpo and aepo share ARPO's keys (GRPO measures ARPO's would-be
+    decisions with them); AEPO's own keys exist in aepo mode only. Evaluation turns an AEPO
+    run's rollout into GRPO by retagging it (the keys GRPO lacks dropped)."""
+    from arpo_async.core.config import ROLLOUT, AepoRollout, ArpoRollout, GrpoRollout
+
+    assert isinstance(load_config(SPINE_CONFIG).rollout, GrpoRollout)  # configs/spine.yaml
+    assert isinstance(load_config().rollout, ArpoRollout)  # configs/default.yaml
+    aepo = load_config(SPINE_CONFIG, ["rollout.mode=aepo", "rollout.aepo_rule=authors"]).rollout
+    assert isinstance(aepo, AepoRollout) and aepo.aepo_rule == "authors"
+    with pytest.raises(ConfigError, match=r"^rollout.aepo_rule: a key of rollout mode aepo, "
+                                          r"not of grpo$"):
+        load_config(SPINE_CONFIG, ["rollout.aepo_rule=authors"])
+    with pytest.raises(ConfigError, match=r"^rollout.mode: 'ppo' is not a rollout mode "
+                                          r"\(aepo, arpo, grpo\)$"):
+        load_config(SPINE_CONFIG, ["rollout.mode=ppo"])
+    raw = aepo.model_dump(mode="json") | {"alpha": 0.3}
+    grpo = GrpoRollout.model_validate(ROLLOUT.retag(raw, "grpo"))
+    assert grpo.alpha == 0.3 and not hasattr(grpo, "aepo_rule")

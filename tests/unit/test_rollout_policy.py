@@ -4,7 +4,6 @@ real rollout (``build_rollout``: the path stepper, a scripted engine, a fake too
 
 from __future__ import annotations
 
-import typing
 
 import numpy as np
 from transformers import AutoTokenizer
@@ -14,7 +13,7 @@ from actors.rollout import POLICIES, build_rollout
 from actors.rollout.agent import AgentRollout
 from actors.rollout.plain import PlainRollout
 from actors.rollout.policy import GroupPolicy, Spawn
-from arpo_async.core.config import RolloutConfig, config_from_dict
+from arpo_async.core.config import ROLLOUT, config_from_dict
 from toolenv.base import ToolResult
 from toolenv.tasks.prompts import PromptSource
 
@@ -58,7 +57,7 @@ def scripted_run(tiny_model_dir, policy, group_size: int = 4, calls: int = 2):
 
 
 def test_every_mode_has_a_policy_and_plain_sampling_needs_no_tools():
-    modes = set(typing.get_args(RolloutConfig.model_fields["mode"].annotation))
+    modes = set(ROLLOUT.members)
     assert modes == set(POLICIES)
     assert all(issubclass(p, GroupPolicy) for p in POLICIES.values())
     cfg = config_from_dict({"rollout": {"mode": "grpo"}, "tools": {"enabled": []}})

@@ -21,7 +21,11 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from arpo_async.core.config.actors import (
     ENGINE,
+    ROLLOUT,
     ActorsConfig,
+    AepoRollout,
+    ArpoRollout,
+    GrpoRollout,
     RolloutConfig,
     SamplingConfig,
     SimulatedEngine,
@@ -51,7 +55,8 @@ __all__ = [
     "LossConfig", "PPOLoss",
     "McpHttpServer", "McpStdioServer", "MetricsConfig", "ModelConfig", "PipelineConfig",
     "PYTHON_STATES", "PythonSession", "PythonStateless", "NcclSync", "ZmqSync", "SearchConfig",
-    "RENAMED", "RemoteActorsConfig", "RolloutConfig",
+    "RENAMED", "RemoteActorsConfig", "RolloutConfig", "ROLLOUT", "GrpoRollout", "ArpoRollout",
+    "AepoRollout",
     "RunConfig", "SamplingConfig", "SimulatedEngine", "TaskConfig", "ToolsConfig",
     "TransformersEngine", "VllmEngine",
     "TransportConfig", "config_from_dict", "describe", "load_config", "save_config",
@@ -109,7 +114,7 @@ RENAMED: dict[str, str] = {
 }
 # tagged unions by the field that holds them: the member's tag is dropped from error paths
 UNIONS = {"loss": LOSS, "python": PYTHON, "weight_sync": WEIGHT_SYNC,
-          "importance": IMPORTANCE, "engine": ENGINE}
+          "importance": IMPORTANCE, "engine": ENGINE, "rollout": ROLLOUT}
 
 
 class Config(_Section):
@@ -117,7 +122,9 @@ class Config(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     actors: ActorsConfig = Field(default_factory=ActorsConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    rollout: RolloutConfig = Field(default_factory=lambda: ArpoRollout(), description="the "
+                                   "rollout (rollout.mode: grpo, arpo or aepo; aepo has its own "
+                                   "keys)")
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     transport: TransportConfig = Field(default_factory=TransportConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)

@@ -176,11 +176,21 @@ class SamplingConfig(_Section):
         return budget if self.round_max_tokens is None else min(self.round_max_tokens, budget)
 
 
-class RolloutConfig(_Section):
-    mode: Literal["grpo", "arpo", "aepo"] = Field("arpo", description="rollout algorithm")
+_MODE = ("rollout algorithm: grpo (M global samples at once, never a fork; the rounds after "
+         "tool results are measured as ARPO would decide on them), arpo (N global samples and "
+         "entropy-based forks after tool results), aepo (ARPO with AEPO's dynamic budget and "
+         "branch penalty, and the aepo_* keys)")
+
+
+class _Rollout(_Section):
+    """The keys every rollout mode has (GRPO measures ARPO's would-be decisions with them);
+    ``initial_samples``, ``branch_factor`` and ``fill`` shape the groups of arpo and aepo
+    only (grpo starts all M at once)."""
+
     group_size: int = Field(8, ge=1, description="M: trajectories (leaves) per prompt")
-    initial_samples: int = Field(4, ge=1, description="N: initial global samples per prompt")
-    branch_factor: int = Field(1, ge=1, description="Z: forks per branching event")
+    initial_samples: int = Field(
+        4, ge=1, description="N: initial global samples per prompt (arpo, aepo; grpo: M)")
+    branch_factor: int = Field(1, ge=1, description="Z: forks per branching event (arpo, aepo)")
     entropy_window: int = Field(20, ge=1, description="k: tokens of a round whose entropy is read")
     entropy_reduce: Literal["sum", "mean"] = Field(
         "sum", description="round entropy from its first k tokens' normalised entropies: summed "
@@ -213,7 +223,26 @@ class RolloutConfig(_Section):
     branch_seed: int = Field(
         1000, description="actor i's branching generator is seeded with [run.seed, branch_seed + i]"
         " (apart from its engine's sampling seed, run.seed + i)")
-    # AEPO switches
+    @model_validator(mode="after")
+    def _reference_sums(self) -> "_Rollout":
+        if self.entropy_estimator == "reference" and self.entropy_reduce != "sum":
+            raise ValueError("rollout.entropy_estimator=reference is the authors' sum over the "
+                             "window; it needs rollout.entropy_reduce=sum")
+        return self
+
+
+class GrpoRollout(_Rollout):
+    mode: Literal["grpo"] = Field("grpo", description=_MODE)
+
+
+class ArpoRollout(_Rollout):
+    mode: Literal["arpo"] = Field("arpo", description=_MODE)
+
+
+class AepoRollout(_Rollout):
+    """AEPO (arXiv 2510.14545): ARPO's keys and its own."""
+
+    mode: Literal["aepo"] = Field("aepo", description=_MODE)
     aepo_dynamic_budget: bool = Field(True, description="AEPO: entropy-balanced budget split")
     aepo_budget_beta: float = Field(0.5, description="AEPO: sigmoid slope of the budget split "
                                     "(the authors' 0.5)")
@@ -224,9 +253,8 @@ class RolloutConfig(_Section):
         "iff u < clip(alpha + beta*dH) * f (scaled), or iff (u + beta*dH) * f >= alpha (authors: "
         "their vllm_rollout_with_tools.py; the same chance without penalty when alpha = 0.5)")
 
-    @model_validator(mode="after")
-    def _reference_sums(self) -> "RolloutConfig":
-        if self.entropy_estimator == "reference" and self.entropy_reduce != "sum":
-            raise ValueError("rollout.entropy_estimator=reference is the authors' sum over the "
-                             "window; it needs rollout.entropy_reduce=sum")
-        return self
+
+ROLLOUT_MODES: dict[str, type[_Section]] = {"grpo": GrpoRollout, "arpo": ArpoRollout,
+                                            "aepo": AepoRollout}
+ROLLOUT = Tagged("rollout", "mode", ROLLOUT_MODES, "arpo", "rollout mode")
+RolloutConfig = ROLLOUT.annotation

@@ -54,3 +54,9 @@ class Tagged:
                     raise ValueError(f"{self.where}.{key}: a key of {self.noun} "
                                      f"{', '.join(owners)}, not of {kind}")
         return {**raw, self.tag: kind}
+
+    def retag(self, raw: dict[str, Any], kind: str) -> dict[str, Any]:
+        """The raw section as member ``kind``: its tag set, the keys ``kind`` does not have
+        dropped (an AEPO run's rollout evaluated as GRPO)."""
+        fields = self.members[kind].model_fields
+        return {**{k: v for k, v in raw.items() if k in fields}, self.tag: kind}

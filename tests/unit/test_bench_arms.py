@@ -1,0 +1,43 @@
+"""bench/arpo_vs_grpo.py builds each arm's config from the default job's: the arm's
+rollout mode picks the rollout section's class (a tagged union), so the arms differ in
+what they name and nothing else."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from arpo_async.core.config import AepoRollout, ArpoRollout, GrpoRollout, load_config
+from tests.conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("arpo_vs_grpo",
+                                                  REPO / "bench" / "arpo_vs_grpo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("arm, cls", [("grpo", GrpoRollout), ("arpo", ArpoRollout),
+                                      ("arpo_exact", ArpoRollout), ("random", ArpoRollout),
+                                      ("aepo", AepoRollout), ("aepo_released", AepoRollout)])
+def test_each_arm_gets_its_rollout_mode_and_the_rest_of_the_default_job(bench, arm, cls,
+                                                                       tmp_path: Path):
+    base = load_config()
+    args = SimpleNamespace(tool_calls=2500, max_s=600, eval_limit=300, eval_k=4)
+    cfg = bench.arm_config(base, arm, 3, args, tmp_path, random_alpha=0.41)
+    assert type(cfg.rollout) is cls and cfg.rollout.group_size == base.rollout.group_size
+    assert (cfg.run.seed, cfg.run.tool_call_budget, cfg.run.dir) == (
+        3, 2500, str(tmp_path / f"{arm}-seed3"))
+    assert cfg.model == base.model and cfg.learner.batch_groups == base.learner.batch_groups
+    if cls is not GrpoRollout:  # the authors' rollout
+        assert (cfg.rollout.fill, cfg.rollout.fork_h_init) == ("one_per_round", "own")
+    assert cfg.rollout.beta == (0.0 if arm == "random" else 0.2)
+    if cls is AepoRollout:
+        assert cfg.rollout.aepo_rule == "authors"
+        assert cfg.rollout.aepo_dynamic_budget == (arm == "aepo")
