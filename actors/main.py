@@ -32,10 +32,8 @@ log = logging.getLogger("actor")
 
 
 async def run_actor(cfg, actor_id: int) -> None:
-    from transformers import AutoTokenizer  # transformers: heavy, not for --help
-
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     engine = await build_engine(cfg, cfg.model.path, actor_id)
+    tokenizer = engine.tokenizer  # the engine's own: one tokenizer per actor
     tools = None
     if cfg.tools.offered:
         tools = build_tools(cfg.tools, cfg.run.dir)

@@ -92,6 +92,7 @@ class GenerationEngine(Protocol):
     """What an actor needs from an inference engine."""
 
     version: int  # policy version of the weights now loaded
+    tokenizer: Any  # the engine's own tokenizer, which the actor uses too (one per actor)
 
     async def generate(self, req: GenRequest) -> GenResult:
         """Sample one continuation. Weight updates never happen during one call."""

@@ -65,7 +65,7 @@ class HFEngine:
     def __init__(self, model: Any, tokenizer: Any, seed: int, version: int, max_model_len: int,
                  update_mode: str = "drain"):
         self._model = model
-        self._tokenizer = tokenizer
+        self.tokenizer = tokenizer  # the actor's too
         self._generator = torch.Generator().manual_seed(seed)
         self.version = version
         self.max_model_len = max_model_len
@@ -104,7 +104,7 @@ class HFEngine:
         if req.stop:
             # Decode a short tail only: a stop string is a few tokens at most. The round's
             # tokens before an interruption count too.
-            tail = self._tokenizer.decode(tokens[-16:], skip_special_tokens=False)
+            tail = self.tokenizer.decode(tokens[-16:], skip_special_tokens=False)
             for s in req.stop:
                 if s in tail:
                     return True, s

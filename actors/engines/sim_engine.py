@@ -60,6 +60,7 @@ class Vocab:
     tags: dict[str, tuple[int, ...]]  # "<python>" -> ids (one id for the tiny tokenizer)
     tool_result_end: tuple[int, ...]  # ids of "</result>"
     encode: object  # str -> list[int] (cached)
+    tokenizer: object = None  # the model folder's tokenizer: the actor's too
 
 
 @functools.lru_cache(maxsize=8)
@@ -79,7 +80,7 @@ def load_vocab(model_path: str) -> Vocab:
         lambda s: tuple(tok.encode(s, add_special_tokens=False)))
     tags = {t: enc(t) for t in ("<python>", "</python>", "<search>", "</search>",
                                 "<answer>", "</answer>")}
-    return Vocab(size, filler, tok.eos_token_id, tags, enc("</result>"), enc)
+    return Vocab(size, filler, tok.eos_token_id, tags, enc("</result>"), enc, tok)
 
 
 class EntropyTable:
@@ -136,6 +137,7 @@ class SimulatedEngine:
                  max_model_len: int, expected: dict[str, tuple] | None,
                  update_mode: str = "drain"):
         self.sim, self.vocab, self.tools = sim, vocab, list(tools)
+        self.tokenizer = vocab.tokenizer
         self.seed, self.version, self.max_model_len = seed, version, max_model_len
         self._rng = np.random.default_rng([seed, 7])
         self._gate = WeightGate(update_mode, ("drain", "interrupt"))  # keep: vLLM only

@@ -127,7 +127,6 @@ class VLLMEngine(VLLMWeights):
         self._gate = WeightGate(update_mode)
         self._ids = itertools.count()
         self._model_path = model_path
-        self._tok = None  # the tokenizer, loaded when a stop string straddles segments
         self.prompt_tokens = 0  # prompt tokens of all requests, and those the cache served
         self.cached_tokens = 0
         self.interrupted_calls = 0
@@ -327,7 +326,7 @@ class VLLMEngine(VLLMWeights):
         """Stop strings the next segment must also stop at: for each stop string whose
         beginning the text so far ends with, its remaining tail (tail -> stop string). The
         engine matches stop strings in a request's own output only."""
-        text = self._tokenizer().decode(tokens[-16:], skip_special_tokens=False)
+        text = self.tokenizer.decode(tokens[-16:], skip_special_tokens=False)
         tails = {}
         for s in stops:
             for cut in range(len(s) - 1, 0, -1):
@@ -336,12 +335,10 @@ class VLLMEngine(VLLMWeights):
                     break
         return tails
 
-    def _tokenizer(self) -> Any:
-        if self._tok is None:
-            from transformers import AutoTokenizer  # transformers: heavy, not for --help
-
-            self._tok = AutoTokenizer.from_pretrained(self._model_path)
-        return self._tok
+    @property
+    def tokenizer(self) -> Any:
+        """vLLM's own tokenizer (its detokenizer's): the actor's too, never a second copy."""
+        return self._llm.get_tokenizer()
 
     def stats(self) -> dict[str, float]:
         """Prefix-cache hits (prompt tokens served from the cache) and interruptions."""
