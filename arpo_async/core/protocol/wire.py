@@ -4,13 +4,16 @@ Frame 0 is a msgpack map ``{"p": PROTOCOL_VERSION, "kind": str, "body": {...}, "
 [[name, dtype, shape], ...]}``; frames 1..n are the raw bytes of the arrays, in order
 (arrays never travel inside msgpack: a raw frame is ten times faster for weights).
 
-Two kinds of message carry arrays. A trajectory group's leaves are numpy arrays,
-concatenated per field. A message that names fields in ``TENSORS`` (the ZeroMQ weight
-channel's ``WeightsUpdate``) carries dicts of torch tensors, by one rule for any such
-message: each tensor is the array
-``FIELD/NAME`` with its torch dtype in the header (bfloat16 too, whose bits numpy holds as
-uint16 on the way), and comes out as a tensor of that dtype and shape. The dtype travels
-with the tensor; nothing else says which tensors are bfloat16.
+Two kinds of message carry arrays. A trajectory group travels as the tree it is: its
+leaves' numpy arrays concatenated per field, a fork's from its branch point on (the
+tokens, mask, behaviour log-probs and versions before it are its parent's, and are sent
+once, with the parent; a fork whose prefix differs from its parent's goes whole), and
+``decode`` gives every leaf back whole. A message that names fields in ``TENSORS`` (the
+ZeroMQ weight channel's ``WeightsUpdate``) carries dicts of torch tensors, by one rule
+for any such message: each tensor is the array ``FIELD/NAME`` with its torch dtype in the
+header (bfloat16 too, whose bits numpy holds as uint16 on the way), and comes out as a
+tensor of that dtype and shape. The dtype travels with the tensor; nothing else says
+which tensors are bfloat16.
 ``decode`` validates the header, every body field's type and every array's dtype, shape
 and byte size, and raises ``ProtocolError`` with a reason; it never trusts a length it
 has not checked against the frames."""
@@ -29,7 +32,9 @@ from arpo_async.core.protocol.messages import MESSAGES, ProtocolError, Trajector
 # package's names are imported by pure modules (arpo_async/core/staleness.py reads
 # GrantReason), which never touch the wire.
 
-PROTOCOL_VERSION = 2  # 2: tensors carry their dtype (1 listed bfloat16 names beside them)
+# 2: tensors carry their dtype (1 listed bfloat16 names beside them); 3: a fork carries
+# its own tokens only (the prefix it shares with its parent travels once)
+PROTOCOL_VERSION = 3
 DEFAULT_MAX_BYTES = 256 * 2**20
 
 _ALLOWED_DTYPES = {"int32", "int64", "uint8", "uint16", "float32", "float16", "bfloat16", "int8",
@@ -75,6 +80,33 @@ def _plain(obj: Any) -> Any:
     raise TypeError(f"cannot encode {type(obj).__name__} in a message body")
 
 
+def _rooted(leaves: list[Trajectory], i: int) -> bool:
+    """Leaf ``i``'s parents lead to a global sample (no cycle, none out of range)."""
+    seen = set()
+    while i >= 0:
+        if i in seen or i >= len(leaves):
+            return False
+        seen.add(i)
+        i = leaves[i].parent
+    return True
+
+
+def _shared(leaves: list[Trajectory], i: int) -> int:
+    """Leading entries leaf ``i`` takes from its parent on the wire: its branch point when
+    all four arrays agree with the parent's there (a fork copies them) and its parents
+    lead to a global sample, else 0."""
+    leaf = leaves[i]
+    bp, p = leaf.branch_point, leaf.parent
+    if (p < 0 or p >= len(leaves) or bp <= 0 or bp > min(len(leaf), len(leaves[p]))
+            or not _rooted(leaves, i)):
+        return 0
+    parent = leaves[p]
+    same = all(np.array_equal(np.asarray(getattr(leaf, a)[:bp], dtype=_LEAF_DTYPES[a]),
+                              np.asarray(getattr(parent, a)[:bp], dtype=_LEAF_DTYPES[a]))
+               for a in _LEAF_ARRAYS)
+    return bp if same else 0
+
+
 def encode(msg: Any) -> list[Any]:
     """Message -> list of frames (bytes / buffers) for ``send_multipart(copy=False)``."""
     kind = msg.KIND
@@ -82,12 +114,14 @@ def encode(msg: Any) -> list[Any]:
     if isinstance(msg, TrajectoryGroup):
         body = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)
                 if f.name not in ("leaves", "prompt_tokens")}
-        body["leaves"] = [{k: getattr(leaf, k) for k in _LEAF_SCALARS} | {"len": len(leaf)}
-                          for leaf in msg.leaves]
+        shared = [_shared(msg.leaves, i) for i in range(len(msg.leaves))]
+        body["leaves"] = [{k: getattr(leaf, k) for k in _LEAF_SCALARS}
+                          | {"len": len(leaf), "shared": n}
+                          for leaf, n in zip(msg.leaves, shared)]
         arrays.append(("prompt_tokens", np.asarray(msg.prompt_tokens, dtype=np.int32)))
         for name in _LEAF_ARRAYS:
-            parts = [np.asarray(getattr(leaf, name), dtype=_LEAF_DTYPES[name])
-                     for leaf in msg.leaves]
+            parts = [np.asarray(getattr(leaf, name), dtype=_LEAF_DTYPES[name])[n:]
+                     for leaf, n in zip(msg.leaves, shared)]
             arrays.append((name, np.concatenate(parts) if parts
                            else np.zeros(0, _LEAF_DTYPES[name])))
     else:
@@ -194,22 +228,51 @@ def _decode_group(body: dict, arrays: list[tuple[str, np.ndarray]]) -> Trajector
     _check(isinstance(leaves_meta, list), "bad_field", "leaves")
     total = named["tokens"].shape[0]
     _check(all(named[n].shape[0] == total for n in _LEAF_ARRAYS), "bad_size", "leaf arrays")
-    leaves, pos = [], 0
+    metas, own, pos = [], [], 0
     for i, meta in enumerate(leaves_meta):
         _check(isinstance(meta, dict), "bad_field", f"leaves[{i}]")
-        n = _typed(meta, "len", int)
-        _check(0 <= n <= total - pos, "bad_size", f"leaves[{i}].len")
+        n, shared = _typed(meta, "len", int), _typed(meta, "shared", int)
         scalars = {k: _typed(meta, k, t) for k, t in _LEAF_SCALARS.items()}
         _check(-1 <= scalars["parent"] < len(leaves_meta), "bad_field", f"leaves[{i}].parent")
-        leaves.append(Trajectory(**{a: named[a][pos:pos + n] for a in _LEAF_ARRAYS}, **scalars))
-        pos += n
+        _check(0 <= shared <= n and (shared == 0 or (scalars["parent"] >= 0
+                                                     and shared == scalars["branch_point"])),
+               "bad_field", f"leaves[{i}].shared")
+        _check(n - shared <= total - pos, "bad_size", f"leaves[{i}].len")
+        metas.append((n, shared, scalars))
+        own.append({a: named[a][pos:pos + n - shared] for a in _LEAF_ARRAYS})
+        pos += n - shared
     _check(pos == total, "bad_size", "leaf lengths do not cover the arrays")
+    leaves = _whole(metas, own)
     body = {k: v for k, v in body.items() if k != "leaves"}
     group = _build(TrajectoryGroup, body | {"prompt_tokens": named["prompt_tokens"],
                                             "leaves": leaves})
     _check(isinstance(group.group_id, str) and isinstance(group.prompt_id, str),
            "bad_field", "ids")
     return group
+
+
+def _whole(metas: list[tuple[int, int, dict]], own: list[dict]) -> list[Trajectory]:
+    """Every leaf whole: a fork's shared prefix from its (whole) parent, then its own
+    arrays; parents first, whatever their order in the message."""
+    whole: list[dict | None] = [None] * len(metas)
+    todo = list(range(len(metas)))
+    while todo:
+        later = []
+        for i in todo:
+            n, shared, scalars = metas[i]
+            p = scalars["parent"]
+            if shared == 0:
+                whole[i] = own[i]
+            elif whole[p] is None:
+                later.append(i)
+                continue
+            else:
+                _check(shared <= len(whole[p]["tokens"]), "bad_field", f"leaves[{i}].shared")
+                whole[i] = {a: np.concatenate([whole[p][a][:shared], own[i][a]])
+                            for a in _LEAF_ARRAYS}
+        _check(len(later) < len(todo), "bad_field", "leaves: parents in a cycle")
+        todo = later
+    return [Trajectory(**arrays, **scalars) for arrays, (_, _, scalars) in zip(whole, metas)]
 
 
 def _decode_tensors(cls: type, body: dict, spec: list,
