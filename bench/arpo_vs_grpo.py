@@ -113,7 +113,7 @@ def arm_overrides(arm: str, random_alpha: float | None) -> dict:
 
 def arm_config(base, arm: str, seed: int, args, out: Path, random_alpha: float | None):
     """The validated config an arm runs with."""
-    from arpo_async.core.config import config_from_dict
+    from arpo_async.core.config import config_from_dict, set_value
 
     tree = base.model_dump(mode="json")
     overrides = {"run.seed": seed, "run.tool_call_budget": args.tool_calls,
@@ -123,11 +123,7 @@ def arm_config(base, arm: str, seed: int, args, out: Path, random_alpha: float |
                  "pipeline.eval_k": args.eval_k, "metrics.wandb": False,
                  **arm_overrides(arm, random_alpha)}
     for key, value in overrides.items():  # on the tree: rollout.mode picks the section's class
-        *path, name = key.split(".")
-        node = tree
-        for part in path:
-            node = node[part]
-        node[name] = value
+        set_value(tree, key, value)
     tree["run"]["dir"] = str(out / f"{arm}-seed{seed}")
     return config_from_dict(tree)
 

@@ -2,7 +2,8 @@
 bench/results/ingest.json.
 
 1. Ingest rate: ARPO-sized groups (16 leaves x 1024 response tokens, a quarter of them
-   tool tokens, 128 prompt tokens) pushed by a producer process through the real
+   tool tokens, 128 prompt tokens; 8 global samples and 8 forks that copy their parent's
+   prefix, sent once on the wire) pushed by a producer process through the real
    ``TrajectorySender`` (it encodes each group) to the learner's real ``LearnerService``
    in this process, which receives, decodes, validates and admits them (staleness filter,
    ledger), then turns each batch into training tensors (``samples_from_groups`` with soft
@@ -48,6 +49,11 @@ def make_group(seed: int, leaves: int = 16, tokens: int = 1024, prompt: int = 12
             versions=np.where(mask > 0, 0, -1).astype(np.int32), reward=float(rng.random()),
             score=float(rng.random() > 0.5), parent=-1 if i < 8 else int(rng.integers(8)),
             branch_point=0 if i < 8 else int(rng.integers(tokens // 2)), tool_calls=2))
+        leaf = out[-1]
+        if leaf.parent >= 0:  # a fork copies its parent's prefix, as the rollout's do
+            for name in ("tokens", "loss_mask", "logprobs", "versions"):
+                getattr(leaf, name)[:leaf.branch_point] = \
+                    getattr(out[leaf.parent], name)[:leaf.branch_point]
     return TrajectoryGroup(group_id=f"g{seed}", actor_id=0, prompt_id=f"p{seed % 50}",
                            prompt_tokens=rng.integers(0, 2048, prompt, dtype=np.int32),
                            leaves=out, mode="arpo")

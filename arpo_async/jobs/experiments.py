@@ -338,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("sweep", help="run the actors x max-staleness grid")
     s.add_argument("--actors", default="1,2,4", help="actor counts, e.g. 1,2,4")
     s.add_argument("--max-staleness", default="0,1,2,4", help="eta values; 0 = synchronous")
-    s.add_argument("--simulate", action="store_true", help="simulated engine (sim.* keys)")
+    s.add_argument("--simulate", action="store_true",
+                   help="simulated engine (actors.engine=simulated; its keys: actors.engine.*)")
     s.add_argument("--steps", type=int, default=10, help="learner steps per run")
     s.add_argument("--time-limit", type=float, default=300.0, help="seconds per run after start")
     s.add_argument("--startup-timeout", type=float, default=600.0,

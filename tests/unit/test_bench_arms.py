@@ -41,3 +41,13 @@ def test_each_arm_gets_its_rollout_mode_and_the_rest_of_the_default_job(bench, a
     if cls is AepoRollout:
         assert cfg.rollout.aepo_rule == "authors"
         assert cfg.rollout.aepo_dynamic_budget == (arm == "aepo")
+
+
+def test_the_arms_of_an_aepo_base_config_switch_mode_too(bench, tmp_path: Path):
+    from arpo_async.core.config import CONFIG_DIR
+
+    base = load_config(CONFIG_DIR / "presets" / "aepo_deepsearch_qwen3_8b.yaml")
+    args = SimpleNamespace(tool_calls=100, max_s=60, eval_limit=10, eval_k=2)
+    for arm, cls in (("grpo", GrpoRollout), ("random", ArpoRollout), ("aepo", AepoRollout)):
+        cfg = bench.arm_config(base, arm, 1, args, tmp_path, random_alpha=0.4)
+        assert type(cfg.rollout) is cls and cfg.rollout.group_size == base.rollout.group_size

@@ -269,3 +269,22 @@ def test_the_rollout_is_a_section_whose_keys_follow_its_mode():
     raw = aepo.model_dump(mode="json") | {"alpha": 0.3}
     grpo = GrpoRollout.model_validate(ROLLOUT.retag(raw, "grpo"))
     assert grpo.alpha == 0.3 and not hasattr(grpo, "aepo_rule")
+
+
+def test_an_override_of_a_tag_keeps_the_keys_the_new_member_has():
+    """rollout.mode=grpo on an AEPO preset drops AEPO's keys and keeps ARPO's;
+    actors.engine.type=transformers on a vLLM section drops vLLM's; a bare YAML off under
+    a nested override opens as that member."""
+    from arpo_async.core.config import CONFIG_DIR, GrpoRollout, TransformersEngine
+
+    preset = CONFIG_DIR / "presets" / "aepo_deepsearch_qwen3_8b.yaml"
+    aepo = load_config(preset).rollout
+    grpo = load_config(preset, ["rollout.mode=grpo"]).rollout
+    assert isinstance(grpo, GrpoRollout) and not hasattr(grpo, "aepo_rule")
+    assert (grpo.group_size, grpo.alpha, grpo.fork_h_init) == (
+        aepo.group_size, aepo.alpha, aepo.fork_h_init)
+    assert load_config(SPINE_CONFIG, ["actors.engine.type=transformers"]).actors.engine == \
+        TransformersEngine()
+    imp = load_config(SPINE_CONFIG, ["learner.loss.importance=off",
+                                     "learner.loss.importance.mode=truncate"])
+    assert imp.learner.loss.importance.mode == "truncate"

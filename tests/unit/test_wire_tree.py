@@ -92,3 +92,43 @@ def _forked() -> list[bytes]:
 def test_a_header_that_claims_a_prefix_it_cannot_have_is_refused(mutate, reason):
     assert_same(P.decode(_forked()).leaves[1].tokens, np.array([0, 1, 2, 3, 9, 9], np.int32))
     assert_rejects(repack(_forked(), mutate), reason)
+
+
+def test_a_fork_that_differs_only_in_the_bits_of_a_zero_goes_whole():
+    root = P.Trajectory(np.arange(4, dtype=np.int32), np.ones(4, np.uint8),
+                        np.zeros(4, np.float32), np.zeros(4, np.int32))
+    fork = P.Trajectory(root.tokens.copy(), root.loss_mask.copy(),
+                        np.array([-0.0, 0, 0, 0], np.float32), root.versions.copy(),
+                        parent=0, branch_point=2)
+    group = P.TrajectoryGroup("g", 0, "p", np.zeros(1, np.int32), [root, fork])
+    frames = wire(group)
+    assert _own_tokens(frames) == 8  # -0.0 is not 0.0 bitwise: sent whole, kept exact
+    assert_same(group, P.decode(frames))
+
+
+def test_a_few_header_bytes_cannot_make_the_decoder_allocate_more_than_a_message():
+    """Forks that share their parent's whole length and send nothing of their own: each
+    costs a header entry on the wire and the parent's length in memory."""
+    n = 4096
+    root = P.Trajectory(np.zeros(n, np.int32), np.zeros(n, np.uint8),
+                        np.zeros(n, np.float32), np.zeros(n, np.int32))
+    forks = [P.Trajectory(root.tokens, root.loss_mask, root.logprobs, root.versions,
+                          parent=0, branch_point=n) for _ in range(40)]
+    frames = wire(P.TrajectoryGroup("g", 0, "p", np.zeros(1, np.int32), [root, *forks]))
+    assert _own_tokens(frames) == n  # 41 leaves of 4,096 entries, one of them on the wire
+    assert len(P.decode(frames).leaves) == 41
+    err = assert_rejects(frames, "too_large", max_bytes=40 * n * 13)
+    assert "leaves whole" in str(err)
+
+
+def test_a_long_chain_in_reverse_order_decodes_in_one_pass():
+    leaves, n = [], 2000
+    for i in range(n):  # leaf i forks leaf i+1 after its first token: parents come last
+        leaves.append(P.Trajectory(np.zeros(i + 1, np.int32), np.zeros(i + 1, np.uint8),
+                                   np.zeros(i + 1, np.float32), np.zeros(i + 1, np.int32),
+                                   parent=i + 1 if i < n - 1 else -1,
+                                   branch_point=1 if i < n - 1 else 0))
+    group = P.TrajectoryGroup("g", 0, "p", np.zeros(1, np.int32), leaves)
+    frames = wire(group)
+    assert _own_tokens(frames) == sum(range(1, n + 1)) - (n - 1)
+    assert_same(group, P.decode(frames))

@@ -58,7 +58,7 @@ __all__ = [
     "RENAMED", "RemoteActorsConfig", "RolloutConfig", "ROLLOUT", "GrpoRollout", "ArpoRollout",
     "AepoRollout",
     "RunConfig", "SamplingConfig", "SimulatedEngine", "TaskConfig", "ToolsConfig",
-    "TransformersEngine", "VllmEngine",
+    "TransformersEngine", "VllmEngine", "set_value",
     "TransportConfig", "config_from_dict", "describe", "load_config", "save_config",
     "total_actors", "CONFIG_DIR", "DEFAULT_CONFIG", "SPINE_CONFIG",
 ]
@@ -187,22 +187,43 @@ class Config(_Section):
 
 
 def _set_dotted(tree: dict, dotted: str, raw: str) -> None:
-    parts = dotted.split(".")
-    node = tree
-    for part in parts[:-1]:
-        nxt = node.setdefault(part, {})
-        if isinstance(nxt, str) and part in UNIONS:  # a bare tag: that member's section
-            nxt = node[part] = {UNIONS[part].tag: nxt}
-        if not isinstance(nxt, dict):
-            raise ConfigError(f"{dotted}: {part} is not a section")
-        node = nxt
+    """Apply the override ``dotted=raw`` (the value read as YAML) to a raw config tree."""
     # YAML parsing gives ints, floats, bools and lists from the command line; YAML 1.1's
     # other booleans (off, on, yes, no) stay words: importance.mode=off means "off" (a bool field
     # still reads them as booleans).
     value = yaml.safe_load(raw) if raw != "" else ""
     if isinstance(value, bool) and raw.strip().lower() not in ("true", "false"):
         value = raw.strip()
-    old, last = node.get(parts[-1]), parts[-1]
+    set_value(tree, dotted, value)
+
+
+def set_value(tree: dict, dotted: str, value: Any) -> None:
+    """Set ``dotted`` to ``value`` in a raw config tree, tagged unions understood:
+    - a bare tag on the way (``actors.engine: simulated``) opens as that member's section;
+    - a section's tag set to another member (``rollout.mode=grpo``,
+      ``actors.engine.type=transformers``) keeps the keys the new member has and drops
+      the others (``Tagged.retag``);
+    - a union set to a bare tag starts that member afresh (``actors.engine=simulated``),
+      unless it names the tag the section already has (its keys stay)."""
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        nxt = node.setdefault(part, {})
+        if isinstance(nxt, (str, bool)) and part in UNIONS:  # a bare tag: its section
+            nxt = node[part] = UNIONS[part].section(nxt)
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"{dotted}: {part} is not a section")
+        node = nxt
+    last = parts[-1]
+    owner = parts[-2] if len(parts) > 1 else None
+    union = UNIONS.get(owner)
+    if (union is not None and last == union.tag and value in union.members
+            and node.get(last, union.default) != value):
+        retagged = union.retag(node, value)
+        node.clear()
+        node.update(retagged)
+        return
+    old = node.get(last)
     if (last in UNIONS and isinstance(old, dict) and isinstance(value, str)
             and old.get(UNIONS[last].tag, UNIONS[last].default) == value):
         return  # the tag a union section already has: its keys stay

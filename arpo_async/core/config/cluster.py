@@ -37,8 +37,8 @@ class RemoteActorsConfig(_Section):
     host: str = Field(description="name or address of the machine that runs these actors")
     actors: int = Field(1, ge=1, description="actor processes on that machine")
     gpus: list[int] = Field(
-        default_factory=list, description="GPU ids there, actors.tensor_parallel per actor "
-        "(device cuda)")
+        default_factory=list, description="GPU ids there, actors.engine.tensor_parallel per "
+        "vLLM actor (device cuda)")
 
 
 class ClusterConfig(_Section):
@@ -50,7 +50,7 @@ class ClusterConfig(_Section):
         "one rank per id ([]: 0..world_size-1, or every hostfile slot)")
     actor_gpus: list[int] = Field(
         default_factory=list, description="GPU ids on this machine for the local actors, "
-        "actors.tensor_parallel consecutive ids per actor")
+        "actors.engine.tensor_parallel consecutive ids per vLLM actor, one per other actor")
     hostfile: str = Field(
         "", description="DeepSpeed hostfile ('HOST slots=N' lines) spreading the learner over "
         "machines ('' = this machine only)")

@@ -45,6 +45,7 @@ _MAX_NDIM = 32  # numpy's own limit is 64; no tensor here has more than a handfu
 _LEAF_ARRAYS = ("tokens", "loss_mask", "logprobs", "versions")
 _LEAF_DTYPES = {"tokens": "int32", "loss_mask": "uint8", "logprobs": "float32",
                 "versions": "int32"}
+_LEAF_ENTRY_BYTES = sum(np.dtype(d).itemsize for d in _LEAF_DTYPES.values())  # 13
 _LEAF_SCALARS = {"reward": float, "score": float, "parent": int, "branch_point": int,
                  "tool_calls": int, "finish_reason": str}
 
@@ -101,9 +102,9 @@ def _shared(leaves: list[Trajectory], i: int) -> int:
             or not _rooted(leaves, i)):
         return 0
     parent = leaves[p]
-    same = all(np.array_equal(np.asarray(getattr(leaf, a)[:bp], dtype=_LEAF_DTYPES[a]),
-                              np.asarray(getattr(parent, a)[:bp], dtype=_LEAF_DTYPES[a]))
-               for a in _LEAF_ARRAYS)
+    same = all(np.asarray(getattr(leaf, a)[:bp], dtype=_LEAF_DTYPES[a]).tobytes()
+               == np.asarray(getattr(parent, a)[:bp], dtype=_LEAF_DTYPES[a]).tobytes()
+               for a in _LEAF_ARRAYS)  # bitwise: -0.0 is not 0.0, a NaN is itself
     return bp if same else 0
 
 
@@ -219,7 +220,8 @@ def _build(cls: type, body: dict) -> Any:
     return cls(**kwargs)
 
 
-def _decode_group(body: dict, arrays: list[tuple[str, np.ndarray]]) -> TrajectoryGroup:
+def _decode_group(body: dict, arrays: list[tuple[str, np.ndarray]],
+                  max_bytes: int = DEFAULT_MAX_BYTES) -> TrajectoryGroup:
     named = dict(arrays)
     _check(set(named) == {"prompt_tokens", *_LEAF_ARRAYS}, "bad_arrays", str(sorted(named)))
     for name, dtype in _LEAF_DTYPES.items() | {("prompt_tokens", "int32")}:
@@ -242,6 +244,13 @@ def _decode_group(body: dict, arrays: list[tuple[str, np.ndarray]]) -> Trajector
         own.append({a: named[a][pos:pos + n - shared] for a in _LEAF_ARRAYS})
         pos += n - shared
     _check(pos == total, "bad_size", "leaf lengths do not cover the arrays")
+    for i, (_, shared, scalars) in enumerate(metas):
+        _check(shared <= metas[scalars["parent"]][0] if shared else True, "bad_field",
+               f"leaves[{i}].shared")
+    # whole, the leaves may not take more memory than one message may (the bound a
+    # group had when every leaf travelled whole)
+    whole_bytes = sum(n for n, _, _ in metas) * _LEAF_ENTRY_BYTES
+    _check(whole_bytes <= max_bytes, "too_large", f"leaves whole: {whole_bytes} bytes")
     leaves = _whole(metas, own)
     body = {k: v for k, v in body.items() if k != "leaves"}
     group = _build(TrajectoryGroup, body | {"prompt_tokens": named["prompt_tokens"],
@@ -253,25 +262,24 @@ def _decode_group(body: dict, arrays: list[tuple[str, np.ndarray]]) -> Trajector
 
 def _whole(metas: list[tuple[int, int, dict]], own: list[dict]) -> list[Trajectory]:
     """Every leaf whole: a fork's shared prefix from its (whole) parent, then its own
-    arrays; parents first, whatever their order in the message."""
+    arrays; parents first (one pass from the leaves that share nothing), whatever their
+    order in the message. A leaf left unreached shares through a cycle."""
+    children: dict[int, list[int]] = {}
+    for i, (_, shared, scalars) in enumerate(metas):
+        if shared:
+            children.setdefault(scalars["parent"], []).append(i)
     whole: list[dict | None] = [None] * len(metas)
-    todo = list(range(len(metas)))
-    while todo:
-        later = []
-        for i in todo:
-            n, shared, scalars = metas[i]
-            p = scalars["parent"]
-            if shared == 0:
-                whole[i] = own[i]
-            elif whole[p] is None:
-                later.append(i)
-                continue
-            else:
-                _check(shared <= len(whole[p]["tokens"]), "bad_field", f"leaves[{i}].shared")
-                whole[i] = {a: np.concatenate([whole[p][a][:shared], own[i][a]])
-                            for a in _LEAF_ARRAYS}
-        _check(len(later) < len(todo), "bad_field", "leaves: parents in a cycle")
-        todo = later
+    ready = [i for i, (_, shared, _) in enumerate(metas) if not shared]
+    for i in ready:
+        whole[i] = own[i]
+    while ready:
+        p = ready.pop()
+        for c in children.get(p, ()):
+            shared = metas[c][1]
+            whole[c] = {a: np.concatenate([whole[p][a][:shared], own[c][a]])
+                        for a in _LEAF_ARRAYS}
+            ready.append(c)
+    _check(all(w is not None for w in whole), "bad_field", "leaves: parents in a cycle")
     return [Trajectory(**arrays, **scalars) for arrays, (_, _, scalars) in zip(whole, metas)]
 
 
@@ -319,7 +327,7 @@ def decode(frames: list, max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
     cls = MESSAGES[kind]
     try:
         if cls is TrajectoryGroup:
-            return _decode_group(body, arrays)
+            return _decode_group(body, arrays, max_bytes)
         if getattr(cls, "TENSORS", ()):
             return _decode_tensors(cls, body, header["arrays"], arrays)
         _check(not arrays, "bad_arrays", f"{kind} carries no arrays")
