@@ -31,6 +31,7 @@ import functools
 import logging
 import math
 import re
+import threading
 import time
 from dataclasses import dataclass
 
@@ -63,8 +64,20 @@ class Vocab:
     tokenizer: object = None  # the model folder's tokenizer: the actor's too
 
 
-@functools.lru_cache(maxsize=8)
+_VOCAB_LOCK = threading.Lock()
+
+
 def load_vocab(model_path: str) -> Vocab:
+    """The model folder's ``Vocab``, made once per process: the simulated actors of one
+    process (``actors_per_process``) start together, each in a worker thread, and must
+    neither load the tokenizer 64 times nor import transformers from 64 threads at once
+    (its lazy module then raises ImportError in some of them)."""
+    with _VOCAB_LOCK:
+        return _load_vocab(model_path)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_vocab(model_path: str) -> Vocab:
     from transformers import AutoTokenizer  # transformers: heavy, not for --help
 
     tok = AutoTokenizer.from_pretrained(model_path)

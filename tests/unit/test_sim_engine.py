@@ -230,3 +230,44 @@ def test_launcher_groups_simulated_actors(tmp_path):
     cfg.actors.engine = "vllm"  # real engines: one process per actor
     roles, _ = plan(cfg, tmp_path / "c.yaml")
     assert [r.name for r in roles][1:] == [f"actor{i}" for i in range(5)]
+
+
+def test_simulated_actors_starting_together_load_the_tokenizer_once(tiny_model_dir, monkeypatch):
+    """64 simulated actors of one process start at once, each loading its vocabulary in a
+    worker thread: one load, the others wait for it (concurrent first imports of
+    transformers raised ImportError in the ingest bench)."""
+    import threading
+    import time
+
+    import transformers
+
+    from actors.engines import sim_engine
+
+    sim_engine._load_vocab.cache_clear()
+    inside, most, calls = [0], [0], []
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def slow(path, *a, **kw):
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        calls.append(path)
+        time.sleep(0.2)  # every other thread arrives while this one loads
+        inside[0] -= 1
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", slow)
+    start = threading.Barrier(8)
+    got = []
+
+    def actor():
+        start.wait()
+        got.append(sim_engine.load_vocab(str(tiny_model_dir)))
+
+    threads = [threading.Thread(target=actor) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    sim_engine._load_vocab.cache_clear()
+    assert len(calls) == 1 and most[0] == 1 and len(got) == 8
+    assert all(v is got[0] for v in got) and got[0].tokenizer is not None
