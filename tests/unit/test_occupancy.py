@@ -105,6 +105,6 @@ def test_boundary_stops(text, want):
     from actors.engines.vllm_engine import VLLMEngine
 
     engine = VLLMEngine.__new__(VLLMEngine)
-    engine._tok = _Tok()
+    engine._llm = type("LLM", (), {"get_tokenizer": lambda self: _Tok()})()  # vLLM's own
     got = engine._boundary_stops(["</python>", "</answer>"], [ord(c) for c in text])
     assert got == want
