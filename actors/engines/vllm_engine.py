@@ -116,8 +116,7 @@ class VLLMEngine(VLLMWeights):
     """``GenerationEngine`` over vLLM's ``AsyncLLM``; build it with ``await create(...)``."""
 
     def __init__(self, llm: Any, dtype: str, max_model_len: int, max_logprobs: int,
-                 prefix_caching: bool, version: int, update_mode: str = "drain",
-                 model_path: str = ""):
+                 prefix_caching: bool, version: int, update_mode: str = "drain"):
         self._llm = llm
         self._dtype = dtype
         self.max_model_len = max_model_len
@@ -126,7 +125,6 @@ class VLLMEngine(VLLMWeights):
         self.version = version
         self._gate = WeightGate(update_mode)
         self._ids = itertools.count()
-        self._model_path = model_path
         self.prompt_tokens = 0  # prompt tokens of all requests, and those the cache served
         self.cached_tokens = 0
         self.interrupted_calls = 0
@@ -191,7 +189,7 @@ class VLLMEngine(VLLMWeights):
         # so that close() can release it (a finished frame here kept it alive).
         try:
             engine = cls(AsyncLLM.from_engine_args(args), dtype, max_model_len, max_logprobs,
-                         enable_prefix_caching, version, update_mode, model_path)
+                         enable_prefix_caching, version, update_mode)
         except BaseException:
             await reap(mp_children(before))  # a failed start leaves processes to reap too
             raise

@@ -39,7 +39,7 @@ import numpy as np
 
 from actors.engines import build_engine
 from actors.engines.endpoint_engine import EndpointEngine
-from arpo_async.core.config import ROLLOUT, Config, ConfigError, config_from_dict, load_config
+from arpo_async.core.config import Config, ConfigError, config_from_dict, load_config, set_value
 from arpo_async.core.files import atomic_write_json, write_jsonl
 from arpo_async.jobs.synthetic import SYSTEM_PROMPT
 from toolenv.retriever_server import RetrieverProcess
@@ -58,13 +58,13 @@ def eval_config(cfg: Config, data: str | Path, k: int, temperature: float | None
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     tree = cfg.model_dump(mode="json")
-    tree["rollout"] = ROLLOUT.retag(tree["rollout"], "grpo") | {"group_size": k,
-                                                                "initial_samples": k}
+    set_value(tree, "rollout.mode", "grpo")  # an AEPO run's own keys dropped
+    tree["rollout"].update(group_size=k, initial_samples=k)
     tree["task"].update(name="file", data=str(data))
     if temperature is not None:
         tree["sampling"]["temperature"] = temperature
-    if engine and engine != cfg.actors.engine.type:  # another engine, with its defaults
-        tree["actors"]["engine"] = {"type": engine}
+    if engine:  # another engine starts with its defaults; the run's own keeps its keys
+        set_value(tree, "actors.engine", engine)
     tools = tree["tools"]
     if retriever_url:
         tools["search"]["retriever_url"] = retriever_url

@@ -81,25 +81,31 @@ def _plain(obj: Any) -> Any:
     raise TypeError(f"cannot encode {type(obj).__name__} in a message body")
 
 
-def _rooted(leaves: list[Trajectory], i: int) -> bool:
-    """Leaf ``i``'s parents lead to a global sample (no cycle, none out of range)."""
-    seen = set()
-    while i >= 0:
-        if i in seen or i >= len(leaves):
-            return False
-        seen.add(i)
-        i = leaves[i].parent
-    return True
+def _rooted(leaves: list[Trajectory]) -> list[bool]:
+    """Per leaf: its parents lead to a global sample (no cycle, none out of range); each
+    leaf walked once."""
+    n = len(leaves)
+    ok: list[bool | None] = [None] * n
+    for i in range(n):
+        chain, on, j = [], set(), i
+        while 0 <= j < n and ok[j] is None and j not in on:
+            chain.append(j)
+            on.add(j)
+            j = leaves[j].parent
+        found = j < 0 if not 0 <= j < n else (ok[j] is True and j not in on)
+        for c in chain:
+            ok[c] = found
+    return ok
 
 
-def _shared(leaves: list[Trajectory], i: int) -> int:
+def _shared(leaves: list[Trajectory], i: int, rooted: list[bool]) -> int:
     """Leading entries leaf ``i`` takes from its parent on the wire: its branch point when
     all four arrays agree with the parent's there (a fork copies them) and its parents
     lead to a global sample, else 0."""
     leaf = leaves[i]
     bp, p = leaf.branch_point, leaf.parent
     if (p < 0 or p >= len(leaves) or bp <= 0 or bp > min(len(leaf), len(leaves[p]))
-            or not _rooted(leaves, i)):
+            or not rooted[i]):
         return 0
     parent = leaves[p]
     same = all(np.asarray(getattr(leaf, a)[:bp], dtype=_LEAF_DTYPES[a]).tobytes()
@@ -115,7 +121,8 @@ def encode(msg: Any) -> list[Any]:
     if isinstance(msg, TrajectoryGroup):
         body = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)
                 if f.name not in ("leaves", "prompt_tokens")}
-        shared = [_shared(msg.leaves, i) for i in range(len(msg.leaves))]
+        rooted = _rooted(msg.leaves)
+        shared = [_shared(msg.leaves, i, rooted) for i in range(len(msg.leaves))]
         body["leaves"] = [{k: getattr(leaf, k) for k in _LEAF_SCALARS}
                           | {"len": len(leaf), "shared": n}
                           for leaf, n in zip(msg.leaves, shared)]
@@ -245,8 +252,8 @@ def _decode_group(body: dict, arrays: list[tuple[str, np.ndarray]],
         pos += n - shared
     _check(pos == total, "bad_size", "leaf lengths do not cover the arrays")
     for i, (_, shared, scalars) in enumerate(metas):
-        _check(shared <= metas[scalars["parent"]][0] if shared else True, "bad_field",
-               f"leaves[{i}].shared")
+        if shared:
+            _check(shared <= metas[scalars["parent"]][0], "bad_field", f"leaves[{i}].shared")
     # whole, the leaves may not take more memory than one message may (the bound a
     # group had when every leaf travelled whole)
     whole_bytes = sum(n for n, _, _ in metas) * _LEAF_ENTRY_BYTES
