@@ -112,6 +112,17 @@ def _memory_args(kv_cache_gib: float, max_model_len: int, gpu_memory_utilization
     return memory
 
 
+def _request_amx(worker: Any) -> bool:
+    """Runs inside each vLLM worker (collective_rpc): asks Linux for the AMX tile state
+    (``arch_prctl(ARCH_REQ_XCOMP_PERM)``, via torch). vLLM 0.32's CPU attention takes its
+    AMX kernel for bfloat16 whenever the CPU lists AMX, without asking for it; where nothing
+    in the worker asked first, the first bfloat16 step dies of SIGILL (worker exit code -4,
+    seen on this project's CPU machines). True when AMX is there and granted."""
+    import torch
+
+    return bool(torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx())
+
+
 class VLLMEngine(VLLMWeights):
     """``GenerationEngine`` over vLLM's ``AsyncLLM``; build it with ``await create(...)``."""
 
@@ -196,6 +207,10 @@ class VLLMEngine(VLLMWeights):
         engine._procs = mp_children(before)
         engine._expected = checkpoint_shapes(model_path)
         engine.nccl_workers = tensor_parallel
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            await engine._llm.collective_rpc(_request_amx)
         await engine._warm_up()
         engine.startup_s = time.perf_counter() - t0
         logger.info("vLLM engine ready in %.1f s (%s)", engine.startup_s, model_path)
