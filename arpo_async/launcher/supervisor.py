@@ -125,7 +125,11 @@ class Role:
         self.history.append({"event": "start", "pid": self.proc.pid, "time": time.time()})
 
     def stop(self, grace_s: float = 10.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is not None:  # what it left in its group (vLLM's engine)
+            if isinstance(self.proc, subprocess.Popen):
+                _signal_group(self.proc, signal.SIGKILL)
             return
         _signal_group(self.proc, signal.SIGTERM)
         try:
@@ -364,6 +368,9 @@ def _watch(cfg: Config, roles: list[Role], progress, run_dir: Path,
                 continue
             a.history.append({"event": "exit", "code": ac, "time": now})
             events.log("exit", a.name, pid=a.proc.pid, code=ac)
+            # an actor killed outright (SIGKILL, the OOM killer) leaves its vLLM engine
+            # processes running in its group, each holding its model and KV cache
+            _signal_group(a.proc, signal.SIGKILL)
             if a.restarts >= cfg.actors.max_restarts:
                 gave_up.append(a.name)
                 why = f"{a.name} exited with code {ac} after {a.restarts} restarts; giving up on it"
