@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 
 import numpy as np
@@ -31,6 +32,18 @@ from toolenv.tasks.prompts import PromptSource
 log = logging.getLogger("actor")
 
 
+def reply_limit(cfg) -> int:
+    """The largest control reply this actor accepts, bytes: ``transport.max_message_mb``,
+    or a full copy of the model's weights when that is larger (weights come whole over
+    ZeroMQ; their size from the local checkpoint's shapes at 4 bytes a value, plus 5%)."""
+    from actors.engines.base import checkpoint_shapes
+
+    limit = int(cfg.transport.max_message_mb * 2**20)
+    shapes = checkpoint_shapes(str(cfg.model.path)) or {}
+    weights = sum(math.prod(s) for s in shapes.values()) * 4
+    return max(limit, int(weights * 1.05) + 2**20)
+
+
 async def run_actor(cfg, actor_id: int) -> None:
     engine = await build_engine(cfg, cfg.model.path, actor_id)
     tokenizer = engine.tokenizer  # the engine's own: one tokenizer per actor
@@ -45,7 +58,7 @@ async def run_actor(cfg, actor_id: int) -> None:
     sender = TrajectorySender(f"tcp://{t.host}:{t.trajectory_port}", hwm=t.send_hwm,
                               timeout_s=t.send_stall_s, curve=keys)
     control = ControlClient(f"tcp://{t.host}:{t.control_port}", timeout_s=t.request_timeout_s,
-                            curve=keys, max_bytes=int(t.max_message_mb * 2**20))
+                            curve=keys, max_bytes=reply_limit(cfg))
     actor = Actor(cfg, actor_id, engine, rollout, source, sender, control,
                   vocab_size=len(tokenizer), tools=tools)
     try:

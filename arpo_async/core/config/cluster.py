@@ -16,7 +16,9 @@ class TransportConfig(_Section):
     control_port: int = Field(0, description="control/weights channel port (0: pick a free port)")
     send_hwm: int = Field(4, ge=1, description="groups queued in an actor before send blocks")
     recv_hwm: int = Field(64, ge=1, description="groups queued at the learner socket")
-    max_message_mb: float = Field(256.0, description="largest accepted message, MiB")
+    max_message_mb: float = Field(
+        256.0, description="largest accepted message, MiB (an actor accepts a weights reply "
+        "as large as a float32 copy of its local checkpoint whatever this says)")
     request_timeout_s: float = Field(
         30.0, gt=0, description="an actor's control request (ticket, weights, heartbeat) with "
         "no reply for this long is retried with backoff, seconds (until "
