@@ -264,6 +264,8 @@ class Actor:
             out |= {"generating": float(occupancy.count), "generating_mean": occupancy.mean(),
                     "generating_target": float(self.cfg.actors.max_inflight_trajectories),
                     "max_groups_in_flight": float(self.max_groups_in_flight)}
+        if hasattr(self.weights, "stats"):  # a channel's own counters (delta: steps, fulls)
+            out |= {f"weights/{k}": v for k, v in self.weights.stats().items()}
         if hasattr(self.engine, "stats"):
             out |= {f"engine/{k}": v for k, v in self.engine.stats().items()}
         if self.tools is not None:

@@ -12,7 +12,8 @@ from arpo_async.core.config.losses import LossConfig, PPOLoss
 
 
 _CHANNEL = ("weights to actors (arpo_async/core/weights/): zmq, ZeroMQ copies (any host); "
-            "nccl, NCCL broadcast to vLLM GPU actors on the learner's node (others still use "
+            "delta, only the values that changed since the actor's version, over ZeroMQ "
+            "(any host; pays when model.dtype is bfloat16); nccl, NCCL broadcast to vLLM GPU actors on the learner's node (others still use "
             "ZeroMQ)")
 
 
@@ -28,7 +29,16 @@ class NcclSync(_Section):
         300.0, gt=0, description="abort an actor's transfer after this long, s")
 
 
-WEIGHT_SYNC_CHANNELS: dict[str, type[_Section]] = {"zmq": ZmqSync, "nccl": NcclSync}
+class DeltaSync(_Section):
+    channel: Literal["delta"] = Field("delta", description=_CHANNEL)
+    keep: int = Field(
+        4, ge=1, description="step deltas the learner keeps: an actor this many versions "
+        "behind or fewer gets the steps (while they weigh less than a full copy), one "
+        "further behind a full copy")
+
+
+WEIGHT_SYNC_CHANNELS: dict[str, type[_Section]] = {"zmq": ZmqSync, "delta": DeltaSync,
+                                                   "nccl": NcclSync}
 WEIGHT_SYNC = Tagged("learner.weight_sync", "channel", WEIGHT_SYNC_CHANNELS, "zmq",
                      "weight channel")
 WeightSyncConfig = WEIGHT_SYNC.annotation
@@ -86,7 +96,7 @@ class LearnerConfig(_Section):
         "arrival, as with 0 (never wait)")
     weight_sync: WeightSyncConfig = Field(
         default_factory=lambda: ZmqSync(), description="the weight channel to the actors "
-        "(learner.weight_sync.channel: zmq or nccl, each with its own keys)")
+        "(learner.weight_sync.channel: zmq, delta or nccl, each with its own keys)")
     attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "eager"] = Field(
         "auto", description="learner attention kernel (auto: flash_attention_2 on GPU when "
         "flash-attn is installed and dtype is 16-bit, else sdpa)")

@@ -217,6 +217,11 @@ def _build(cls: type, body: dict) -> Any:
                 isinstance(v, list) and all(type(x) in (int, float) for x in v) for v in val),
                 "bad_field", f"{f.name}: expected a list of rows of numbers")
             kwargs[f.name] = [[float(x) for x in v] for v in val]
+        elif str(f.type) == "dict[str, int]":
+            val = body[f.name]
+            _check(isinstance(val, dict) and all(isinstance(k, str) for k in val),
+                   "bad_field", f"{f.name}: expected a map with string keys")
+            kwargs[f.name] = {k: _typed(val, k, int) for k in val}
         elif str(f.type) == "dict[str, float]":
             val = body[f.name]
             _check(isinstance(val, dict) and all(isinstance(k, str) for k in val),

@@ -1,6 +1,6 @@
 """Weight channels, one module each (base.py says the contract): ZeroMQ (zeromq.py: any
-actor on any machine, and every actor's fallback) and NCCL (nccl.py: vLLM GPU actors on
-the learner's machine). ``learner.weight_sync.channel`` names one of ``CHANNELS``; a new channel is
+actor on any machine, and every actor's fallback), delta (delta.py: any actor, only the
+values that changed) and NCCL (nccl.py: vLLM GPU actors on the learner's machine). ``learner.weight_sync.channel`` names one of ``CHANNELS``; a new channel is
 a module here with a ``CHANNEL`` entry, added to ``CHANNELS`` (docs/extending.md).
 Importing this package registers every channel's messages with the protocol."""
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from arpo_async.core.weights import nccl, zeromq
+from arpo_async.core.weights import delta, nccl, zeromq
 from arpo_async.core.weights.base import (
     Channel,
     Loaded,
@@ -24,7 +24,7 @@ __all__ = ["CHANNELS", "Channel", "Loaded", "Requester", "WeightReceiver", "Weig
 
 log = logging.getLogger("weights")
 
-CHANNELS: dict[str, Channel] = {c.name: c for c in (zeromq.CHANNEL, nccl.CHANNEL)}
+CHANNELS: dict[str, Channel] = {c.name: c for c in (zeromq.CHANNEL, delta.CHANNEL, nccl.CHANNEL)}
 FALLBACK = zeromq.CHANNEL.name  # served always; what an actor uses when its channel fails
 
 

@@ -1,0 +1,520 @@
+"""The delta weight channel (``learner.weight_sync.channel=delta``; any actor on any
+machine, over the control channel): after the first full copy, only the values that
+changed, each result checked.
+
+A version's step delta, made once when the learner publishes it, holds per tensor
+whichever of these is smallest (``step``): nothing (no value changed); the difference of
+each value's bit pattern from the old one as int8, zstd-compressed (2-byte dtypes: a
+training step moves a bf16 value by a few units in its last place, so the differences
+are small numbers, mostly 0 and +-1; the few that do not fit int8 go as positions and
+values); the changed positions as int32 indices or as a bitmask, with the new values;
+or the whole tensor. A value "changed" when its bits differ, so a model trained in
+bfloat16 (``model.dtype``) sends what its bf16 rounding moved. In float32 every value
+moves at every step, the step is as large as a full copy, and full copies are sent.
+
+- learner (``DeltaWeightSender``): keeps the newest version (the tensors it was handed,
+  not a copy), its full encoding, and the step deltas of the last
+  ``learner.weight_sync.keep`` versions. A request names the version the actor holds and
+  the digest of its copy (a hash of every tensor's checksum). An actor whose copy is one
+  of the kept steps' bases gets the next step (it asks again until it is up to date),
+  unless the steps to the newest version weigh as much as a full copy; any other actor
+  (one that missed more versions, restarted, or holds a copy the learner never published)
+  gets the full copy. Every reply is encoded once per version and sent uncopied.
+- actor (``DeltaWeightReceiver``): keeps its own copy of the weights in the wire dtype
+  (one model's worth of host memory), applies each step to it before generation pauses,
+  checks every tensor the step changed against the learner's checksum (xxh3-64), and only
+  then loads the result into the engine (``engine.update_weights``) in one pause, as a
+  full copy would (SkyRL's order: fetch, then pause only to load). A step for another
+  base, or a result that fails a checksum, drops the copy and asks for a full one. A step
+  is applied only to its own base (version and digest), so one that arrives twice is
+  skipped the second time: applying a delta twice changes nothing."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from arpo_async.core import protocol as P
+from arpo_async.core.transport.control import Encoded, expect
+from arpo_async.core.transport.sockets import nbytes
+from arpo_async.core.weights.base import Channel, Loaded, Requester, WeightReceiver
+
+log = logging.getLogger("weights")
+
+# Fault point for tests: "ACTOR:VERSION" makes that actor's receiver change one value of
+# the first step delta it is given to VERSION or later, after it arrived (a corrupted
+# delta: the checksum must catch it and a full copy follow). Unset in every real run.
+FAULT_CORRUPT_DELTA = "ARPO_FAULT_CORRUPT_DELTA"
+# Fault point for tests: "ACTOR:VERSION" makes that actor kill its own process (SIGKILL)
+# right after it first loaded VERSION or later through a step delta, once per run (a file
+# in the run folder says it happened, with the version and the pid): it restarts with no
+# copy of its own, between a delta and the next full copy. Unset in every real run.
+FAULT_KILL_AFTER_DELTA = "ARPO_FAULT_KILL_AFTER_DELTA"
+
+
+def _fault_version(name: str, actor_id: int) -> int | None:
+    spec = os.environ.get(name, "")
+    who, _, version = spec.partition(":")
+    return int(version) if spec and int(who) == actor_id else None
+
+
+@dataclass
+class DeltaRequest:
+    KIND: ClassVar[str] = "delta_request"
+    CHANNEL: ClassVar[str] = "delta"  # a weight channel's request (learner/service.py routes)
+    actor_id: int
+    have_version: int  # the version of the actor's own copy; -1: none (a full copy, please)
+    have_digest: int  # that copy's digest
+
+
+@dataclass
+class DeltaUpdate:
+    """One step from ``base_version`` to ``version``, or (``base_version`` -1) a full copy.
+    ``checksums`` holds every tensor's checksum after the step; a tensor named in no
+    tensor field is unchanged. ``index`` and ``mask`` say where ``values`` go."""
+
+    KIND: ClassVar[str] = "delta_weights"
+    CHANNEL: ClassVar[str] = "delta"
+    TENSORS: ClassVar[tuple[str, ...]] = ("dense", "index", "mask", "values", "diff")
+    version: int
+    digest: int
+    base_version: int
+    base_digest: int
+    checksums: dict[str, int] = field(default_factory=dict)
+    dense: dict[str, Any] = field(default_factory=dict)  # whole tensors
+    index: dict[str, Any] = field(default_factory=dict)  # int32 flat positions that changed
+    mask: dict[str, Any] = field(default_factory=dict)  # uint8, np.packbits of the changed
+    values: dict[str, Any] = field(default_factory=dict)  # the new values there, flat
+    diff: dict[str, Any] = field(default_factory=dict)  # uint8: zstd of int8 bit differences
+
+
+P.register_messages(DeltaRequest, DeltaUpdate)
+
+
+# ------------------------------------------------------------------------ pure parts
+def checksum(t) -> int:
+    """xxh3-64 of a tensor's bytes (about 15 GB/s here)."""
+    import xxhash
+
+    return xxhash.xxh3_64_intdigest(_bytes(t))
+
+
+def digest(checksums: dict[str, int]) -> int:
+    """One number for a whole state: a hash of every tensor's name and checksum."""
+    import xxhash
+
+    return xxhash.xxh3_64_intdigest(
+        "".join(f"{k}:{checksums[k]};" for k in sorted(checksums)).encode())
+
+
+def _bytes(t) -> np.ndarray:
+    import torch
+
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _bits(t):
+    """The tensor's values as integers of the same width: equal bits, equal integers."""
+    import torch
+
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.reshape(-1).view(width)
+
+
+def step(old: dict, new: dict) -> dict[str, dict]:
+    """Per tensor of ``new`` whose bits differ from ``old``'s, the smallest encoding, as
+    the message fields it fills (``DeltaUpdate``) and ``changed``, the values changed:
+
+    - ``diff`` (2-byte dtypes): each value's bit pattern minus the old one's, as int8,
+      zstd-compressed; a training step moves a bf16 value by a few units in the last
+      place, so these are small numbers, mostly 0 and +-1, that compress well. Values
+      whose difference does not fit int8 (a sign that flipped) go as positions + values;
+    - ``index``: the changed positions as int32, with the new values;
+    - ``mask``: the changed positions as a packed bitmask, with the new values;
+    - ``dense``: the whole tensor."""
+    out = {}
+    for name, t in new.items():
+        flat = t.reshape(-1)
+        size, n = t.element_size(), flat.numel()
+        if size == 2:  # int16 arithmetic wraps: old + diff == new, modulo 2**16, always
+            diff = _bits(t) - _bits(old[name])
+            changed = diff != 0
+        else:
+            diff, changed = None, _bits(old[name]) != _bits(t)
+        count = int(changed.sum())
+        if count == 0:
+            continue
+        options = [({"dense": t}, n * size),
+                   ({"index": None}, count * (4 + size)),
+                   ({"mask": None}, (n + 7) // 8 + count * size)]
+        if diff is not None:
+            options.append(_diff(diff, flat))
+        parts, _ = min(options, key=lambda o: o[1])
+        if "index" in parts and parts["index"] is None:
+            parts = _positions(changed, flat, "index")
+        elif "mask" in parts:
+            parts = _positions(changed, flat, "mask")
+        out[name] = parts | {"changed": count}
+    return out
+
+
+def _positions(changed, flat, kind: str) -> dict:
+    import torch
+
+    if kind == "index":
+        where = changed.nonzero().reshape(-1).to(torch.int32)
+    else:
+        where = torch.from_numpy(np.packbits(changed.numpy()))
+    return {kind: where, "values": flat[changed].clone()}
+
+
+def _diff(diff, flat) -> tuple[dict, int]:
+    """The ``diff`` encoding of one 2-byte tensor (``diff``: its int16 bit differences,
+    ``flat``: its new values) and its size in bytes."""
+    import torch
+    import zstandard
+
+    far = (diff > 127) | (diff < -128)
+    small = diff.to(torch.int8)
+    small[far] = 0
+    # all cores for a large tensor (the output is one zstd frame either way)
+    threads = -1 if small.numel() > 1 << 24 else 0
+    blob = zstandard.ZstdCompressor(level=1, threads=threads).compress(small.numpy().data)
+    parts = {"diff": torch.frombuffer(bytearray(blob), dtype=torch.uint8)}
+    size = len(blob)
+    if bool(far.any()):
+        parts |= _positions(far, flat, "index")
+        size += int(far.sum()) * (4 + flat.element_size())
+    return parts, size
+
+
+def apply_step(base: dict, update: DeltaUpdate) -> list[str]:
+    """Write ``update``'s values into ``base`` (writable tensors, changed in place); the
+    names written. Overwrites only: applying the same step again changes nothing. Raises
+    ValueError on a part that does not fit its tensor."""
+    import torch
+
+    names = []
+    for name, t in update.dense.items():
+        _fits(base, name, t.dtype, t.numel())
+        base[name].copy_(t.reshape(base[name].shape))
+        names.append(name)
+    for name, blob in update.diff.items():
+        _fits(base, name, None, None)
+        bits = _bits(base[name])
+        d = _unzstd(blob, bits.numel())
+        bits += torch.from_numpy(d.astype(np.int16))
+        names.append(name)
+    for name, values in update.values.items():
+        _fits(base, name, values.dtype, None)
+        flat = base[name].reshape(-1)
+        if name in update.index:
+            where = update.index[name].to(torch.int64)
+            if where.numel() != values.numel() or (
+                    where.numel() and (int(where.min()) < 0 or int(where.max()) >= flat.numel())):
+                raise ValueError(f"{name}: positions outside the tensor")
+        elif name in update.mask:
+            bits = np.unpackbits(update.mask[name].numpy(), count=flat.numel())
+            where = torch.from_numpy(bits.view(bool))
+            if int(where.sum()) != values.numel():
+                raise ValueError(f"{name}: {values.numel()} values for {int(where.sum())} "
+                                 "positions")
+        else:
+            raise ValueError(f"{name}: values without positions")
+        flat[where] = values
+        names.append(name)
+    return list(dict.fromkeys(names))  # a diff's far values also come as positions
+
+
+def _unzstd(blob, count: int) -> np.ndarray:
+    import zstandard
+
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(blob.numpy().tobytes(),
+                                                      max_output_size=count)
+    except zstandard.ZstdError as exc:
+        raise ValueError(f"diff: {exc}") from None
+    if len(raw) != count:
+        raise ValueError(f"diff: {len(raw)} differences for {count} values")
+    return np.frombuffer(raw, dtype=np.int8)
+
+
+def _fits(base: dict, name: str, dtype, numel: int | None) -> None:
+    if name not in base:
+        raise ValueError(f"{name}: not a tensor of this model")
+    if dtype is None:  # a diff: of the bit patterns of a 2-byte dtype
+        if base[name].element_size() != 2:
+            raise ValueError(f"{name}: a diff for a {base[name].dtype} tensor")
+        return
+    if base[name].dtype != dtype or (numel is not None and base[name].numel() != numel):
+        raise ValueError(f"{name}: {dtype} x {numel} does not fit {base[name].dtype} "
+                         f"{tuple(base[name].shape)}")
+
+
+# ------------------------------------------------------------------------ learner
+@dataclass
+class _Version:
+    version: int
+    digest: int
+    tensors: dict
+    checksums: dict[str, int]
+    full: list  # the full copy's frames
+    full_bytes: int
+
+
+@dataclass
+class _Step:
+    base_digest: int
+    frames: list
+    size: int
+    version: int  # the version it brings
+    digest: int
+
+
+class DeltaWeightSender:
+    """The learner's side, a ``WeightSender`` over the control channel."""
+
+    channel = "delta"
+    requests = (DeltaRequest,)
+
+    def __init__(self, keep: int = 4):
+        self.keep = keep
+        self._lock = threading.Lock()  # publish (main thread) vs handle (control thread)
+        self._latest: _Version | None = None
+        self._steps: dict[int, _Step] = {}  # by the version the step starts from
+        self.requests_seen = 0
+        self.served: Counter = Counter()  # "step" / "full" replies
+        self.bytes_served = 0
+        self.bytes_full_equivalent = 0  # what full copies would have cost for the same loads
+        self.values_total = self.values_changed = 0  # over every published step
+        self.changed_share_last = float("nan")
+        self.steps_too_large = 0  # steps as large as a full copy (not kept)
+
+    def publish(self, version: int, tensors: dict) -> None:
+        """Encode ``version`` (a full copy, and the step from the previous version); the
+        tensors are kept as they are, so they must not change afterwards."""
+        checksums = {n: checksum(t) for n, t in tensors.items()}
+        full = P.encode(DeltaUpdate(version, digest(checksums), -1, 0, checksums,
+                                    dense=tensors))
+        new = _Version(version, digest(checksums), tensors, checksums, full, nbytes(full))
+        prev = self._latest
+        if prev is not None and version <= prev.version:
+            raise ValueError(f"weights version {version} published after {prev.version}: "
+                             "versions must increase")
+        kept = None
+        if prev is not None and _same_shapes(prev.tensors, tensors):
+            parts = step(prev.tensors, tensors)
+            changed = sum(p["changed"] for p in parts.values())
+            total = sum(t.numel() for t in tensors.values())
+            self.values_total += total
+            self.values_changed += changed
+            self.changed_share_last = changed / max(total, 1)
+            frames = P.encode(_step_message(new, prev, parts))
+            size = nbytes(frames)
+            if size < new.full_bytes:
+                kept = _Step(prev.digest, frames, size, version, new.digest)
+            else:
+                self.steps_too_large += 1
+                if self.steps_too_large == 1:
+                    log.warning("delta weights: the step to v%d changes %.0f%% of the values "
+                                "and is as large as a full copy; full copies are sent (a "
+                                "delta pays when the model trains in bfloat16, model.dtype)",
+                                version, 100 * self.changed_share_last)
+        with self._lock:
+            if kept is not None:
+                self._steps[prev.version] = kept
+            for base in sorted(self._steps)[:-self.keep]:
+                del self._steps[base]
+            self._latest = new
+
+    @property
+    def version(self) -> int:
+        return -1 if self._latest is None else self._latest.version
+
+    def handle(self, msg: DeltaRequest) -> Encoded | P.Ack:
+        with self._lock:
+            self.requests_seen += 1
+            latest = self._latest
+            if latest is None:
+                return P.Ack(ok=True, learner_version=-1)
+            if msg.have_version == latest.version and msg.have_digest == latest.digest:
+                return P.Ack(ok=True, learner_version=latest.version)
+            chain, at = [], (msg.have_version, msg.have_digest)
+            while at[0] in self._steps and self._steps[at[0]].base_digest == at[1]:
+                link = self._steps[at[0]]
+                chain.append(link)
+                at = (link.version, link.digest)
+                if link.version == latest.version:
+                    break
+            if at[0] == latest.version and sum(s.size for s in chain) < latest.full_bytes:
+                frames, size, kind, done = chain[0].frames, chain[0].size, "step", len(chain) == 1
+            else:
+                frames, size, kind, done = latest.full, latest.full_bytes, "full", True
+            self.served[kind] += 1
+            self.bytes_served += size
+            if done:  # this reply brings the asker to the newest version
+                self.bytes_full_equivalent += latest.full_bytes
+        return Encoded(frames)
+
+    def stats(self) -> dict:
+        return {"requests": self.requests_seen, "steps_served": self.served["step"],
+                "full_served": self.served["full"], "bytes_served": self.bytes_served,
+                "bytes_full_equivalent": self.bytes_full_equivalent,
+                "bytes_ratio": self.bytes_served / max(self.bytes_full_equivalent, 1),
+                "changed_share": self.values_changed / max(self.values_total, 1),
+                "changed_share_last": self.changed_share_last,
+                "steps_too_large": self.steps_too_large, "version": self.version}
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+def _same_shapes(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        a[n].shape == b[n].shape and a[n].dtype == b[n].dtype for n in b)
+
+
+def _step_message(new: _Version, prev: _Version, parts: dict) -> DeltaUpdate:
+    msg = DeltaUpdate(new.version, new.digest, prev.version, prev.digest, new.checksums)
+    for name, fields in parts.items():
+        for kind, t in fields.items():
+            if kind != "changed":
+                getattr(msg, kind)[name] = t
+    return msg
+
+
+# ------------------------------------------------------------------------ actor
+class DeltaRejected(ValueError):
+    """A step that cannot be applied to this actor's copy (the reason is the message)."""
+
+
+class DeltaWeightReceiver:
+    """The actor's side, a ``WeightReceiver`` over the control channel; keeps the actor's
+    own copy of the weights (``base``)."""
+
+    channel = "delta"
+
+    def __init__(self, control: Requester, actor_id: int, run_dir: str | None = None):
+        self.control, self.actor_id, self.run_dir = control, actor_id, run_dir
+        self.base: dict | None = None
+        self.version, self.digest = -1, 0
+        self.checksums: dict[str, int] = {}
+        self.rejected: Counter = Counter()  # reason -> steps refused (then a full copy)
+        self.steps = self.fulls = 0
+        self._corrupt = _fault_version(FAULT_CORRUPT_DELTA, actor_id)
+        self._kill = _fault_version(FAULT_KILL_AFTER_DELTA, actor_id)
+
+    def drop(self) -> None:
+        self.base, self.version, self.digest, self.checksums = None, -1, 0, {}
+
+    async def sync(self, engine: Any, have_version: int | None = None) -> Loaded | None:
+        have = engine.version if have_version is None else have_version
+        if self.base is not None and (self.version != engine.version or have != self.version):
+            self.drop()  # the engine holds other weights than our copy: start again
+        start, steps = self.version, self.steps
+        for _ in range(64):  # a chain is at most learner.weight_sync.keep steps
+            reply = await self.control.request(DeltaRequest(self.actor_id, self.version,
+                                                            self.digest))
+            update = expect(reply, DeltaUpdate, "delta weights request")
+            if update is None:
+                break
+            if update.base_version < 0 and update.version < engine.version <= have:
+                return None  # the learner is behind us and we did not ask to follow it
+            try:
+                self._take(update)
+            except DeltaRejected as exc:
+                self.rejected[str(exc).split(":")[0]] += 1
+                log.warning("actor %d: delta to v%d refused (%s); asking for a full copy",
+                            self.actor_id, update.version, exc)
+                self.drop()
+        else:
+            raise RuntimeError("delta weights: no end to the learner's steps")
+        if self.base is None or self.version in (start, engine.version):
+            return None  # nothing new, or what the engine holds already (versions name weights)
+        paused = await engine.update_weights(self.base, self.version)
+        if self._kill is not None and self.version >= self._kill and self.steps > steps:
+            self._fault_kill()
+        return Loaded(self.version, paused, self.channel)
+
+    def _fault_kill(self) -> None:
+        import signal
+        from pathlib import Path
+
+        done = Path(self.run_dir or ".") / f"fault_kill_after_delta.actor{self.actor_id}"
+        if not done.exists():
+            done.write_text(f"{self.version} {os.getpid()}")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _take(self, update: DeltaUpdate) -> None:
+        if update.base_version < 0:  # a full copy: our own writable tensors
+            self.base = {n: t.clone() for n, t in update.dense.items()}
+            changed = list(self.base)
+            self.fulls += 1
+        elif (update.version, update.digest) == (self.version, self.digest):
+            return  # applied already
+        elif self.base is None or (update.base_version, update.base_digest) != (
+                self.version, self.digest):
+            raise DeltaRejected(f"base: the step is for v{update.base_version}, this copy is "
+                                f"v{self.version}")
+        else:
+            if self._corrupt is not None and update.version >= self._corrupt:
+                self._corrupt = None
+                _corrupt_one(update)
+            try:
+                changed = apply_step(self.base, update)
+            except ValueError as exc:
+                raise DeltaRejected(f"shape: {exc}") from None
+            self.steps += 1
+        if set(update.checksums) != set(self.base):
+            raise DeltaRejected("names: the checksums name other tensors than this model's")
+        for name in changed:
+            if checksum(self.base[name]) != update.checksums[name]:
+                raise DeltaRejected(f"checksum: {name} differs from the learner's after the "
+                                    f"step to v{update.version}")
+        unchanged = set(self.base) - set(changed)
+        if any(self.checksums.get(n) != update.checksums[n] for n in unchanged):
+            raise DeltaRejected("checksum: a tensor the step left alone differs")
+        self.version, self.digest = update.version, update.digest
+        self.checksums = dict(update.checksums)
+
+    def stats(self) -> dict[str, float]:
+        """Counters for the actor's stats (``weights/...``)."""
+        return {"steps": float(self.steps), "fulls": float(self.fulls),
+                "rejected": float(sum(self.rejected.values()))}
+
+
+def _corrupt_one(update: DeltaUpdate) -> None:
+    """The fault point: one value of the step changed after it arrived."""
+    import torch
+
+    part = update.diff or update.values or update.dense
+    name = next(iter(part))
+    t = part[name].clone()  # received tensors are read-only views of the frames
+    if part is update.diff:  # one difference changed, compressed again
+        import zstandard
+
+        d = bytearray(zstandard.ZstdDecompressor().decompress(t.numpy().tobytes()))
+        d[0] = (d[0] + 1) % 256
+        t = torch.frombuffer(bytearray(zstandard.ZstdCompressor().compress(bytes(d))),
+                             dtype=torch.uint8)
+    else:
+        t.reshape(-1)[:1] += torch.ones(1, dtype=t.dtype)
+    part[name] = t
+
+
+def _sender(cfg: Any) -> DeltaWeightSender:
+    return DeltaWeightSender(keep=cfg.learner.weight_sync.keep)
+
+
+async def _receiver(cfg: Any, control: Requester, engine: Any, actor_id: int,
+                    fallback: WeightReceiver) -> WeightReceiver:
+    return DeltaWeightReceiver(control, actor_id, str(cfg.run.dir))
+
+
+CHANNEL = Channel("delta", (DeltaRequest, DeltaUpdate), _sender, _receiver)
