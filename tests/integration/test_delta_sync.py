@@ -108,9 +108,10 @@ def test_corrupted_and_restarted_actors_end_in_the_learners_weights(tiny_model_d
     dead = int(killed.read_text().split()[1])
     assert not _group(dead), "processes of the killed actor's group live on"
     # actor 1's second incarnation: one full copy, then steps again
-    assert figures["actor1/weights/fulls"] == 1 and figures["actor1/weights/steps"] >= 2
+    assert figures["actor1/weights/fulls"] >= 1 and figures["actor1/weights/steps"] >= 2
     # actor 0: a full copy at the start, the corrupted step refused, a full copy after it
-    assert figures["actor0/weights/rejected"] == 1 and figures["actor0/weights/fulls"] == 2
+    # (and another whenever it came back from its stop more than keep versions behind)
+    assert figures["actor0/weights/rejected"] == 1 and figures["actor0/weights/fulls"] >= 2
     assert re.search(r"delta to v([3-9]|\d\d) refused \(checksum", run.role_log("actor0"))
     served = json.loads((run.dir / "learner_summary.json").read_text())["service"]["weights"]
     assert served["delta"]["steps_served"] >= STEPS and served["delta"]["full_served"] >= 4

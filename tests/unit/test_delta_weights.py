@@ -84,7 +84,7 @@ def kinds(update) -> dict:
 NAMES["small"] = (64, 32)  # moved by one unit in the last place: the compressed diff
 
 
-def test_each_tensor_gets_its_smallest_encoding_and_the_step_is_exact_and_idempotent():
+def test_each_tensor_gets_its_smallest_encoding_and_the_step_is_exact():
     old = state()
     new = {"embed": moved(old, 0.01, 1, "embed", "flip")["embed"],  # 1% flipped: positions
            "layer.w": moved(old, 0.3, 2, "layer.w", "flip")["layer.w"],  # 30%: a bitmask
@@ -106,7 +106,9 @@ def test_each_tensor_gets_its_smallest_encoding_and_the_step_is_exact_and_idempo
     assert sorted(D.apply_step(base, msg)) == sorted(NAMES)
     assert same(base, new)
     assert D.step(new, new) == {}  # nothing changed, nothing sent
-    for name in ("embed", "layer.w", "norm"):  # overwrites: applying them again is a no-op
+    # overwrites: applying them again is a no-op (a diff adds: the receiver applies a step
+    # only to its own base, test_a_step_for_another_base_...)
+    for name in ("embed", "layer.w", "norm"):
         D.apply_step(base, D.DeltaUpdate(1, 0, 0, 0, **{
             k: {name: getattr(msg, k)[name]} for k in ("dense", "index", "mask", "values")
             if name in getattr(msg, k)}))
@@ -284,3 +286,83 @@ def test_versions_must_increase():
     with pytest.raises(ValueError, match="must increase"):
         sender.publish(2, state())
 
+
+
+async def test_a_learner_that_republishes_a_version_with_other_weights_is_followed():
+    """The learner resumed and published the actor's version number with other bits: the
+    digests differ, so a full copy comes and is loaded, though the number is the same."""
+    sender, s = D.DeltaWeightSender(), state()
+    sender.publish(0, s)
+    s1 = moved(s, 0.02, 1)
+    sender.publish(1, s1)
+    engine = Engine(0)
+    rx = D.DeltaWeightReceiver(Wire(sender), 0)
+    assert (await rx.sync(engine)).version == 1
+    other = D.DeltaWeightSender()
+    t1 = moved(s, 0.05, 7)
+    other.publish(1, t1)
+    rx.control = wire = Wire(other)
+    got = await rx.sync(engine)
+    assert got.version == 1 and same(engine.loaded, t1) and bases(wire) == [-1]
+    assert await rx.sync(engine) is None  # and then up to date
+
+
+async def test_any_error_while_applying_drops_the_copy_and_a_full_copy_follows():
+    sender, s = D.DeltaWeightSender(), state()
+    sender.publish(0, s)
+    wire, engine = Wire(sender), Engine(0)
+    rx = D.DeltaWeightReceiver(wire, 0)
+    await rx.sync(engine)
+    s1 = moved(s, 0.3, 1, how="flip")  # masks
+    sender.publish(1, s1)
+
+    def bad_mask(msg, frames):  # a mask of the wrong dtype: numpy raises TypeError
+        update = P.decode([bytes(f) for f in frames])
+        if update.__class__ is D.DeltaUpdate and update.mask:
+            name = next(iter(update.mask))
+            update.mask[name] = update.mask[name].to(torch.int32)
+            return P.encode(update)
+        return frames
+
+    wire.hook = bad_mask
+    assert (await rx.sync(engine)).version == 1 and same(engine.loaded, s1)
+    assert rx.rejected == {"apply": 1}
+
+
+async def test_a_full_copy_that_fails_its_checks_is_not_fetched_again():
+    sender, s = D.DeltaWeightSender(), state()
+    sender.publish(0, s)
+    wire = Wire(sender)
+
+    def corrupt_full(msg, frames):
+        update = P.decode([bytes(f) for f in frames])
+        update.checksums = {k: v ^ 1 for k, v in update.checksums.items()}
+        return P.encode(update)
+
+    wire.hook = corrupt_full
+    rx = D.DeltaWeightReceiver(wire, 0)
+    with pytest.raises(RuntimeError, match="full copy of v0 fails its checks"):
+        await rx.sync(Engine(-1))
+    assert len(wire.replies) == 1 and rx.base is None
+
+
+def test_an_actor_ahead_of_the_learner_is_told_so_not_sent_a_copy():
+    sender = D.DeltaWeightSender()
+    sender.publish(3, state())
+    reply = sender.handle(D.DeltaRequest(0, 5, 123))
+    assert isinstance(reply, P.Ack) and reply.ok and reply.learner_version == 3
+    assert sender.stats()["full_served"] == 0
+
+
+def test_steps_beyond_keep_are_dropped_and_a_load_is_counted_once_per_actor():
+    sender, s = D.DeltaWeightSender(keep=2), state()
+    sender.publish(0, s)
+    for v in (1, 2, 3):
+        s = moved(s, 0.02, v)
+        sender.publish(v, s)
+    assert sorted(sender._steps) == [1, 2]
+    latest = sender._latest
+    sender.handle(D.DeltaRequest(0, 2, sender._steps[2].base_digest))  # the last step
+    sender.handle(D.DeltaRequest(0, -1, 0))  # refused it: the full copy, same load
+    sender.handle(D.DeltaRequest(1, -1, 0))  # another actor's load
+    assert sender.bytes_full_equivalent == 2 * latest.full_bytes

@@ -151,7 +151,7 @@ def step(old: dict, new: dict) -> dict[str, dict]:
         if count == 0:
             continue
         options = [({"dense": t}, n * size),
-                   ({"index": None}, count * (4 + size)),
+                   ({"index": None}, count * (_position_bytes(n) + size)),
                    ({"mask": None}, (n + 7) // 8 + count * size)]
         if diff is not None:
             options.append(_diff(diff, flat))
@@ -168,10 +168,16 @@ def _positions(changed, flat, kind: str) -> dict:
     import torch
 
     if kind == "index":
-        where = changed.nonzero().reshape(-1).to(torch.int32)
+        dtype = torch.int32 if _position_bytes(flat.numel()) == 4 else torch.int64
+        where = changed.nonzero().reshape(-1).to(dtype)
     else:
         where = torch.from_numpy(np.packbits(changed.numpy()))
     return {kind: where, "values": flat[changed].clone()}
+
+
+def _position_bytes(n: int) -> int:
+    """Bytes of one position in a tensor of ``n`` values (int64 from 2**31 values)."""
+    return 4 if n < 2**31 else 8
 
 
 def _diff(diff, flat) -> tuple[dict, int]:
@@ -190,13 +196,15 @@ def _diff(diff, flat) -> tuple[dict, int]:
     size = len(blob)
     if bool(far.any()):
         parts |= _positions(far, flat, "index")
-        size += int(far.sum()) * (4 + flat.element_size())
+        size += int(far.sum()) * (_position_bytes(flat.numel()) + flat.element_size())
     return parts, size
 
 
 def apply_step(base: dict, update: DeltaUpdate) -> list[str]:
-    """Write ``update``'s values into ``base`` (writable tensors, changed in place); the
-    names written. Overwrites only: applying the same step again changes nothing. Raises
+    """Write ``update``'s parts into ``base`` (writable tensors, changed in place); the
+    names written. Whole tensors and positions with values overwrite (applying them again
+    changes nothing); a diff adds to the bit patterns, so a step must be applied to its own
+    base exactly once (the receiver checks the base's version and digest). Raises
     ValueError on a part that does not fit its tensor."""
     import torch
 
@@ -295,6 +303,7 @@ class DeltaWeightSender:
         self.values_total = self.values_changed = 0  # over every published step
         self.changed_share_last = float("nan")
         self.steps_too_large = 0  # steps as large as a full copy (not kept)
+        self._counted: dict[int, int] = {}  # actor -> the version last counted for it
 
     def publish(self, version: int, tensors: dict) -> None:
         """Encode ``version`` (a full copy, and the step from the previous version); the
@@ -329,8 +338,8 @@ class DeltaWeightSender:
         with self._lock:
             if kept is not None:
                 self._steps[prev.version] = kept
-            for base in sorted(self._steps)[:-self.keep]:
-                del self._steps[base]
+            while len(self._steps) > max(self.keep, 1):
+                del self._steps[min(self._steps)]
             self._latest = new
 
     @property
@@ -343,7 +352,10 @@ class DeltaWeightSender:
             latest = self._latest
             if latest is None:
                 return P.Ack(ok=True, learner_version=-1)
-            if msg.have_version == latest.version and msg.have_digest == latest.digest:
+            if msg.have_version > latest.version or (
+                    msg.have_version == latest.version and msg.have_digest == latest.digest):
+                # up to date; or ahead of a learner that resumed behind it (as zmq.py: an
+                # actor that wants to follow it asks with no copy, -1)
                 return P.Ack(ok=True, learner_version=latest.version)
             chain, at = [], (msg.have_version, msg.have_digest)
             while at[0] in self._steps and self._steps[at[0]].base_digest == at[1]:
@@ -352,13 +364,17 @@ class DeltaWeightSender:
                 at = (link.version, link.digest)
                 if link.version == latest.version:
                     break
-            if at[0] == latest.version and sum(s.size for s in chain) < latest.full_bytes:
+            if chain and at == (latest.version, latest.digest) and \
+                    sum(s.size for s in chain) < latest.full_bytes:
                 frames, size, kind, done = chain[0].frames, chain[0].size, "step", len(chain) == 1
             else:
                 frames, size, kind, done = latest.full, latest.full_bytes, "full", True
             self.served[kind] += 1
             self.bytes_served += size
-            if done:  # this reply brings the asker to the newest version
+            if done and self._counted.get(msg.actor_id) != latest.version:
+                # a load that a full copy would have cost, once per actor and version (a
+                # step refused and the full copy after it are one load)
+                self._counted[msg.actor_id] = latest.version
                 self.bytes_full_equivalent += latest.full_bytes
         return Encoded(frames)
 
@@ -405,6 +421,9 @@ class DeltaWeightReceiver:
         self.base: dict | None = None
         self.version, self.digest = -1, 0
         self.checksums: dict[str, int] = {}
+        # the digest of the weights this receiver last loaded into the engine (None: the
+        # engine holds its checkpoint, taken to be the learner's version of that number)
+        self.loaded_digest: int | None = None
         self.rejected: Counter = Counter()  # reason -> steps refused (then a full copy)
         self.steps = self.fulls = 0
         self._corrupt = _fault_version(FAULT_CORRUPT_DELTA, actor_id)
@@ -417,7 +436,7 @@ class DeltaWeightReceiver:
         have = engine.version if have_version is None else have_version
         if self.base is not None and (self.version != engine.version or have != self.version):
             self.drop()  # the engine holds other weights than our copy: start again
-        start, steps = self.version, self.steps
+        steps, fulls = self.steps, self.fulls
         for _ in range(64):  # a chain is at most learner.weight_sync.keep steps
             reply = await self.control.request(DeltaRequest(self.actor_id, self.version,
                                                             self.digest))
@@ -429,15 +448,23 @@ class DeltaWeightReceiver:
             try:
                 self._take(update)
             except DeltaRejected as exc:
+                if update.base_version < 0 or self.fulls > fulls:
+                    self.drop()  # the learner's own full copy fails its checks: no retry
+                    raise RuntimeError(f"delta weights: the full copy of v{update.version} "
+                                       f"fails its checks ({exc})") from None
                 self.rejected[str(exc).split(":")[0]] += 1
                 log.warning("actor %d: delta to v%d refused (%s); asking for a full copy",
                             self.actor_id, update.version, exc)
                 self.drop()
         else:
             raise RuntimeError("delta weights: no end to the learner's steps")
-        if self.base is None or self.version in (start, engine.version):
-            return None  # nothing new, or what the engine holds already (versions name weights)
+        if self.base is None:
+            return None
+        if self.version == engine.version and self.loaded_digest in (None, self.digest):
+            self.loaded_digest = self.digest
+            return None  # what the engine holds already
         paused = await engine.update_weights(self.base, self.version)
+        self.loaded_digest = self.digest
         if self._kill is not None and self.version >= self._kill and self.steps > steps:
             self._fault_kill()
         return Loaded(self.version, paused, self.channel)
@@ -453,6 +480,7 @@ class DeltaWeightReceiver:
 
     def _take(self, update: DeltaUpdate) -> None:
         if update.base_version < 0:  # a full copy: our own writable tensors
+            self.base = None  # the old copy goes first (two models in memory, not three)
             self.base = {n: t.clone() for n, t in update.dense.items()}
             changed = list(self.base)
             self.fulls += 1
@@ -468,8 +496,8 @@ class DeltaWeightReceiver:
                 _corrupt_one(update)
             try:
                 changed = apply_step(self.base, update)
-            except ValueError as exc:
-                raise DeltaRejected(f"shape: {exc}") from None
+            except Exception as exc:  # the copy may be half-written: the caller drops it
+                raise DeltaRejected(f"apply: {type(exc).__name__}: {exc}") from None
             self.steps += 1
         if set(update.checksums) != set(self.base):
             raise DeltaRejected("names: the checksums name other tensors than this model's")
@@ -490,21 +518,25 @@ class DeltaWeightReceiver:
 
 
 def _corrupt_one(update: DeltaUpdate) -> None:
-    """The fault point: one value of the step changed after it arrived."""
+    """The fault point: one value of the step changed after it arrived, at a position no
+    other part of the step writes."""
     import torch
+    import zstandard
 
-    part = update.diff or update.values or update.dense
+    if update.diff:
+        name = next(iter(update.diff))
+        d = bytearray(zstandard.ZstdDecompressor().decompress(
+            update.diff[name].numpy().tobytes()))
+        far = set(update.index[name].tolist()) if name in update.index else set()
+        i = next(i for i in range(len(d)) if i not in far)
+        d[i] = (d[i] + 1) % 256
+        update.diff[name] = torch.frombuffer(
+            bytearray(zstandard.ZstdCompressor().compress(bytes(d))), dtype=torch.uint8)
+        return
+    part = update.values or update.dense
     name = next(iter(part))
     t = part[name].clone()  # received tensors are read-only views of the frames
-    if part is update.diff:  # one difference changed, compressed again
-        import zstandard
-
-        d = bytearray(zstandard.ZstdDecompressor().decompress(t.numpy().tobytes()))
-        d[0] = (d[0] + 1) % 256
-        t = torch.frombuffer(bytearray(zstandard.ZstdCompressor().compress(bytes(d))),
-                             dtype=torch.uint8)
-    else:
-        t.reshape(-1)[:1] += torch.ones(1, dtype=t.dtype)
+    _bits(t)[:1] ^= 1  # one bit of the first value
     part[name] = t
 
 
