@@ -13,8 +13,8 @@ from arpo_async.core.config.losses import LossConfig, PPOLoss
 
 _CHANNEL = ("weights to actors (arpo_async/core/weights/): zmq, ZeroMQ copies (any host); "
             "delta, only the values that changed since the actor's version, over ZeroMQ "
-            "(any host; pays when model.dtype is bfloat16); nccl, NCCL broadcast to vLLM GPU actors on the learner's node (others still use "
-            "ZeroMQ)")
+            "(any host; pays when model.dtype is bfloat16); nccl, NCCL broadcast to vLLM "
+            "GPU actors on the learner's node (others still use ZeroMQ)")
 
 
 class ZmqSync(_Section):

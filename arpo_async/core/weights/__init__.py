@@ -1,7 +1,8 @@
 """Weight channels, one module each (base.py says the contract): ZeroMQ (zeromq.py: any
 actor on any machine, and every actor's fallback), delta (delta.py: any actor, only the
-values that changed) and NCCL (nccl.py: vLLM GPU actors on the learner's machine). ``learner.weight_sync.channel`` names one of ``CHANNELS``; a new channel is
-a module here with a ``CHANNEL`` entry, added to ``CHANNELS`` (docs/extending.md).
+values that changed) and NCCL (nccl.py: vLLM GPU actors on the learner's machine).
+``learner.weight_sync.channel`` names one of ``CHANNELS``; a new channel is a module here
+with a ``CHANNEL`` entry, added to ``CHANNELS`` (docs/extending.md).
 Importing this package registers every channel's messages with the protocol."""
 
 from __future__ import annotations
