@@ -10,8 +10,11 @@ going away and coming back.
   out, because a retried ticket request may have been granted twice and the Hello lets
   the learner release the tickets this actor holds (learner/service.py).
 - the learner's version: every reply carries ``learner_version``, the newest version the
-  learner publishes; ``learner_version`` keeps it, so that the actor notices a learner
-  that resumed from a checkpoint behind the actor's weights (actors/actor.py).
+  learner publishes; ``learner_version`` keeps the highest one since the last Hello
+  (replies to concurrent requests arrive in any order, and an older one must not make a
+  learner look behind the actor's weights), and a Hello's reply sets it outright, so that
+  the actor notices a learner that resumed from a checkpoint behind its weights
+  (actors/actor.py): a restarted learner answers "hello_required" first.
 """
 
 from __future__ import annotations
@@ -83,7 +86,11 @@ class ResilientControl:
                             self.actor_id, msg.KIND, waited)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _RETRY_S[1])
-        self.learner_version = getattr(reply, "learner_version", self.learner_version)
+        said = getattr(reply, "learner_version", None)
+        if isinstance(msg, P.Hello) and said is not None:
+            self.learner_version = said
+        elif said is not None:
+            self.learner_version = max(self.learner_version, said)
         if getattr(reply, "reason", "") == P.AckReason.HELLO_REQUIRED:
             await self._hello("the learner restarted")
         elif self._lost_contact:
