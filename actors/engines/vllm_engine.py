@@ -207,19 +207,19 @@ class VLLMEngine(VLLMWeights):
         engine._procs = mp_children(before)
         engine._expected = checkpoint_shapes(model_path)
         engine.nccl_workers = tensor_parallel
-        from vllm.platforms import current_platform
-
-        if current_platform.is_cpu():
-            await engine._llm.collective_rpc(_request_amx)
         await engine._warm_up()
         engine.startup_s = time.perf_counter() - t0
         logger.info("vLLM engine ready in %.1f s (%s)", engine.startup_s, model_path)
         return engine
 
     async def _warm_up(self) -> None:
-        """One request and one scoring pass (the first of each pays one-off set-up); an
-        engine that fails them is closed."""
+        """AMX asked for on a CPU (``_request_amx``), then one request and one scoring pass
+        (the first of each pays one-off set-up); an engine that fails them is closed."""
+        from vllm.platforms import current_platform
+
         try:
+            if current_platform.is_cpu():
+                await self._llm.collective_rpc(_request_amx)
             await self.generate(GenRequest(prompt_tokens=[0, 1], max_tokens=2, logprobs_topk=1))
             await self.sequence_logprobs([0], [1])
         except BaseException:

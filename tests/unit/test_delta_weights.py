@@ -32,7 +32,7 @@ def moved(s: dict, share: float, seed: int, only: str | None = None, how: str = 
         if only in (None, n):
             hit = torch.rand(t.shape, generator=g) < share
             if how == "ulp":
-                D._bits(t)[hit.reshape(-1)] += 1
+                D.bits(t)[hit.reshape(-1)] += 1
             else:
                 t[hit] = -t[hit]
         out[n] = t
@@ -73,7 +73,7 @@ def bases(wire: Wire) -> list[int]:
 
 
 def same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(D._bits(a[n]), D._bits(b[n])) for n in a)
+    return a.keys() == b.keys() and all(torch.equal(D.bits(a[n]), D.bits(b[n])) for n in a)
 
 
 def kinds(update) -> dict:

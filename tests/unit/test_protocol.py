@@ -22,6 +22,7 @@ from arpo_async.core.weights.nccl import (
     NcclWeightsHeader,
     NcclWeightsRequest,
 )
+from arpo_async.core.weights.delta import DeltaRequest, DeltaUpdate
 from arpo_async.core.weights.zeromq import WeightsRequest, WeightsUpdate
 
 FUZZ = settings(max_examples=150, deadline=None,
@@ -61,9 +62,24 @@ def groups(draw) -> P.TrajectoryGroup:
 
 @st.composite
 def weights(draw) -> WeightsUpdate:
+    return WeightsUpdate(version=draw(int64), tensors=draw(tensor_dicts()), sent_at=draw(floats))
+
+
+@st.composite
+def deltas(draw) -> DeltaUpdate:
+    """A delta step's fields, each a dict of tensors; checksums and digests are uint64."""
+    uint64 = st.integers(0, 2**64 - 1)
+    return DeltaUpdate(version=draw(int64), digest=draw(uint64), base_version=draw(int64),
+                       base_digest=draw(uint64),
+                       checksums=draw(st.dictionaries(text, uint64, max_size=3)),
+                       **{f: draw(tensor_dicts(3)) for f in DeltaUpdate.TENSORS})
+
+
+@st.composite
+def tensor_dicts(draw, max_size: int = 6) -> dict:
     """Torch tensors of every wire dtype, bfloat16 with any bits (NaNs included)."""
     names = draw(st.lists(st.text(min_size=1, max_size=20).filter(lambda n: "/" not in n),
-                          unique=True, max_size=6))
+                          unique=True, max_size=max_size))
     tensors = {}
     for name in names:
         shape = hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=5)
@@ -73,7 +89,7 @@ def weights(draw) -> WeightsUpdate:
         else:
             tensors[name] = torch.from_numpy(
                 draw(hnp.arrays(st.sampled_from(WIRE_DTYPES), shape)).copy())
-    return WeightsUpdate(version=draw(int64), tensors=tensors, sent_at=draw(floats))
+    return tensors
 
 
 def _builds(cls, **kw):
@@ -81,7 +97,9 @@ def _builds(cls, **kw):
 
 
 messages = st.one_of(
-    groups(), weights(),
+    groups(), weights(), deltas(),
+    _builds(DeltaRequest, actor_id=int64, have_version=int64,
+            have_digest=st.integers(0, 2**64 - 1)),
     _builds(P.Hello, actor_id=int64, pid=int64, host=text, version=int64, sent_at=floats),
     _builds(P.Heartbeat, actor_id=int64, version=int64, stats=stats, sent_at=floats),
     _builds(P.TicketRequest, actor_id=int64, version=int64, n=int64),
