@@ -579,3 +579,26 @@ async def test_hf_stop_string_and_bf16_weights(hf_engine, hf_model, prompt, toke
     finally:
         hf_model.load_state_dict(original)
         await hf_engine.update_weights(original, 6)
+
+
+async def test_vllm_serves_bfloat16_on_cpu_and_loads_bfloat16_updates(tiny_model_dir, prompt):
+    """vLLM 0.32 on a CPU that lists AMX takes its AMX attention kernel for bf16 without
+    asking Linux for the tile state: its worker died of SIGILL at the first step until the
+    engine asked for it at start (``_request_amx``). Generation, a bf16 weight update and
+    the log-probs after it, against transformers in bf16."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).eval()
+    engine = await VLLMEngine.create(tiny_model_dir, dtype="bfloat16", kv_cache_gib=0.25)
+    try:
+        out = await engine.generate(GenRequest(prompt_tokens=prompt, max_tokens=8))
+        assert len(out.tokens) >= 1
+        new = {k: v.to(torch.bfloat16) for k, v in perturbed(model.float(), seed=5).items()}
+        model.load_state_dict(new)
+        await engine.update_weights(new, 1)
+        tokens = [30, 40, 50, 60, 70]
+        got = np.array(await engine.sequence_logprobs(prompt, tokens))
+        np.testing.assert_allclose(got, ref_logprobs(model.float(), prompt, tokens)[0],
+                                   atol=2e-2, rtol=0)
+    finally:
+        await engine.close()
