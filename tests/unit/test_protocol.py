@@ -170,6 +170,8 @@ def conforms(value, typ: str) -> bool:
         "np.ndarray": lambda v: isinstance(v, np.ndarray),
         "dict[str, float]": lambda v: isinstance(v, dict) and all(
             type(k) is str and type(x) is float for k, x in v.items()),
+        "dict[str, int]": lambda v: isinstance(v, dict) and all(
+            type(k) is str and type(x) is int for k, x in v.items()),
         "dict[str, Any]": lambda v: isinstance(v, dict) and all(  # TENSORS fields
             type(k) is str and isinstance(x, torch.Tensor) for k, x in v.items()),
         "list[str]": lambda v: isinstance(v, list) and all(type(x) is str for x in v),
