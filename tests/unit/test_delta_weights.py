@@ -67,6 +67,17 @@ class Engine:
         return 0.01
 
 
+async def at_v0(keep: int = 4):
+    """A sender that published v0, and a receiver that holds it (its first full copy):
+    (sender, v0's state, wire, engine, receiver)."""
+    sender, s = D.DeltaWeightSender(keep=keep), state()
+    sender.publish(0, s)
+    wire, engine = Wire(sender), Engine(0)
+    rx = D.DeltaWeightReceiver(wire, 0)
+    await rx.sync(engine)
+    return sender, s, wire, engine, rx
+
+
 def bases(wire: Wire) -> list[int]:
     """The base version of each update the wire carried (-1: a full copy), Acks left out."""
     return [r.base_version for r in wire.replies if isinstance(r, D.DeltaUpdate)]
@@ -178,11 +189,7 @@ async def test_first_a_full_copy_then_steps_bit_for_bit_with_fewer_bytes():
 
 
 async def test_an_actor_behind_walks_the_kept_steps_and_one_further_behind_gets_a_copy():
-    sender, s = D.DeltaWeightSender(keep=2), state()
-    sender.publish(0, s)
-    wire, engine = Wire(sender), Engine(0)
-    rx = D.DeltaWeightReceiver(wire, 0)
-    await rx.sync(engine)
+    sender, s, wire, engine, rx = await at_v0(keep=2)
     for v in (1, 2):
         s = moved(s, 0.02, v)
         sender.publish(v, s)
@@ -213,11 +220,7 @@ async def test_a_corrupted_step_fails_its_checksum_and_a_full_copy_follows(monke
 
 
 async def test_a_step_for_another_base_is_refused_and_the_same_step_twice_is_skipped():
-    sender, s = D.DeltaWeightSender(), state()
-    sender.publish(0, s)
-    wire, engine = Wire(sender), Engine(0)
-    rx = D.DeltaWeightReceiver(wire, 0)
-    await rx.sync(engine)
+    sender, s, wire, engine, rx = await at_v0()
     s1 = moved(s, 0.02, 1)
     sender.publish(1, s1)
     s2 = moved(s1, 0.02, 2)
@@ -308,11 +311,7 @@ async def test_a_learner_that_republishes_a_version_with_other_weights_is_follow
 
 
 async def test_any_error_while_applying_drops_the_copy_and_a_full_copy_follows():
-    sender, s = D.DeltaWeightSender(), state()
-    sender.publish(0, s)
-    wire, engine = Wire(sender), Engine(0)
-    rx = D.DeltaWeightReceiver(wire, 0)
-    await rx.sync(engine)
+    sender, s, wire, engine, rx = await at_v0()
     s1 = moved(s, 0.3, 1, how="flip")  # masks
     sender.publish(1, s1)
 
