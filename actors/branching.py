@@ -304,12 +304,14 @@ class BranchPlanner:
         if not _finite(float(h)):
             self._count["entropy_missing"] += 1
 
-    def after_tool_round(self, traj_id: int, h_t: float, short: bool = False
-                         ) -> tuple[list[int], dict[str, float]]:
+    def after_tool_round(self, traj_id: int, h_t: float, short: bool = False,
+                         p_given: float | None = None) -> tuple[list[int], dict[str, float]]:
         """Decide on the round that followed a tool result of ``traj_id``; returns the ids
         of the forks to create (children of ``traj_id``, to start from the end of that
         tool result) and the decision's metrics. ``short``: that round was shorter than the
-        entropy window (``short_round="skip"`` then makes no decision)."""
+        entropy window (``short_round="skip"`` then makes no decision). ``p_given``: the
+        branch probability to draw with instead of alpha + beta dH (a placement that
+        ignores entropy, ``rollout.mode=stratified``); dH is still recorded."""
         self._require_live(traj_id)
         h_init = self._h_init[traj_id]
         if h_init is None:
@@ -326,8 +328,11 @@ class BranchPlanner:
         streak = self._streak[traj_id]
         factor = aepo_penalty_factor(streak, s.aepo_penalty)
         authors = s.aepo_rule == "authors"
-        p = (aepo_authors_probability(dh, s.alpha, s.beta, factor) if authors
-             else branch_probability(h_t, h_init, s.alpha, s.beta) * factor)
+        if p_given is not None:
+            p, authors = min(1.0, max(0.0, float(p_given))) * factor, False
+        else:
+            p = (aepo_authors_probability(dh, s.alpha, s.beta, factor) if authors
+                 else branch_probability(h_t, h_init, s.alpha, s.beta) * factor)
         draw = self._rng.random() if s.branching and not s.threshold_mode else math.nan
         if not s.branching:
             want = False

@@ -3,8 +3,9 @@
 Each ARPO/AEPO group carries its branch planner's sums (actors/branching.py
 ``BranchPlanner.stats``, prefixed ``branch/``); a step's figures add them up over the
 step's groups, so a mean is over every branch decision of the step, not a mean of group
-means. Every key is present on every step: a step without decisions (GRPO, or no tool
-call yet) reports 0 for the probabilities and 0 forks."""
+means. Every key of ``KEYS`` is present on every step: a step without decisions (GRPO, or
+no tool call yet) reports 0 for the probabilities and 0 forks. The strata's sums
+(``branch/stratum/<tool>/<index>/n`` and ``.../p_sum``) appear on the steps that have them."""
 
 from __future__ import annotations
 
@@ -27,7 +28,12 @@ def rollout_metrics(groups: list) -> dict[str, float]:
     p_mean = total("p_sum") / decisions if decisions else 0.0
     var = total("p_sq_sum") / decisions - p_mean ** 2 if decisions else 0.0
     decided = [g.stats for g in groups if g.stats.get("branch/tool_rounds", 0) > 0]
-    return {
+    strata: dict[str, float] = {}  # decisions and summed P per stratum (actors/rollout/arpo.py)
+    for g in groups:
+        for key, value in g.stats.items():
+            if key.startswith("branch/stratum/"):
+                strata[key] = strata.get(key, 0.0) + float(value)
+    return strata | {
         "branch/p_mean": p_mean, "branch/p_std": math.sqrt(max(var, 0.0)),
         "branch/p_min": min((s["branch/p_min"] for s in decided), default=0.0),
         "branch/p_max": max((s["branch/p_max"] for s in decided), default=0.0),

@@ -17,14 +17,16 @@ from actors.rollout.base import Occupancy, Rollout, new_group_id
 from actors.rollout.grpo import GRPOPolicy
 from actors.rollout.plain import PlainRollout
 from actors.rollout.policy import GroupPolicy, Spawn
+from actors.rollout.stratified import StratifiedPolicy
 
 __all__ = ["AEPOPolicy", "ARPOPolicy", "GRPOPolicy", "POLICIES", "GroupPolicy", "Occupancy",
-           "PlainRollout", "Rollout", "Spawn", "build_rollout", "new_group_id"]
+           "PlainRollout", "Rollout", "Spawn", "StratifiedPolicy", "build_rollout", "new_group_id"]
 
 POLICIES: dict[str, type[GroupPolicy]] = {
     "grpo": GRPOPolicy,
     "arpo": ARPOPolicy,
     "aepo": AEPOPolicy,
+    "stratified": StratifiedPolicy,
 }
 
 

@@ -29,6 +29,7 @@ from arpo_async.core.config.actors import (
     RolloutConfig,
     SamplingConfig,
     SimulatedEngine,
+    StratifiedRollout,
     TransformersEngine,
     VllmEngine,
 )
@@ -56,7 +57,7 @@ __all__ = [
     "McpHttpServer", "McpStdioServer", "MetricsConfig", "ModelConfig", "PipelineConfig",
     "PYTHON_STATES", "PythonSession", "PythonStateless", "NcclSync", "ZmqSync", "SearchConfig",
     "RENAMED", "RemoteActorsConfig", "RolloutConfig", "ROLLOUT", "GrpoRollout", "ArpoRollout",
-    "AepoRollout",
+    "AepoRollout", "StratifiedRollout",
     "RunConfig", "SamplingConfig", "SimulatedEngine", "TaskConfig", "ToolsConfig",
     "TransformersEngine", "VllmEngine", "set_value",
     "TransportConfig", "config_from_dict", "describe", "load_config", "save_config",

@@ -179,7 +179,8 @@ class SamplingConfig(_Section):
 _MODE = ("rollout algorithm: grpo (M global samples at once, never a fork; the rounds after "
          "tool results are measured as ARPO would decide on them), arpo (N global samples and "
          "entropy-based forks after tool results), aepo (ARPO with AEPO's dynamic budget and "
-         "branch penalty, and the aepo_* keys)")
+         "branch penalty, and the aepo_* keys), stratified (ARPO's forks at random, P per "
+         "tool and call index from rollout.stratum_p: the matched ablation)")
 
 
 class _Rollout(_Section):
@@ -254,7 +255,30 @@ class AepoRollout(_Rollout):
         "their vllm_rollout_with_tools.py; the same chance without penalty when alpha = 0.5)")
 
 
+class StratifiedRollout(_Rollout):
+    """ARPO's forks placed at random, as often per stratum as a table says
+    (actors/rollout/stratified.py)."""
+
+    mode: Literal["stratified"] = Field("stratified", description=_MODE)
+    stratum_p: dict[str, float] = Field(
+        default_factory=dict, description="branch probability per stratum, 'tool/index' (the "
+        "tool whose result preceded the round and that call's index in the trajectory, e.g. "
+        "search/1); alpha for a stratum not listed; beta is not read")
+
+    @model_validator(mode="after")
+    def _probabilities(self) -> "StratifiedRollout":
+        for key, p in self.stratum_p.items():
+            tool, _, index = key.partition("/")
+            if not tool or not index.isdigit():
+                raise ValueError(f"rollout.stratum_p: key {key!r} is not 'tool/index' "
+                                 "(e.g. search/1)")
+            if not 0.0 <= p <= 1.0:
+                raise ValueError(f"rollout.stratum_p.{key}: {p} is not a probability")
+        return self
+
+
 ROLLOUT_MODES: dict[str, type[_Section]] = {"grpo": GrpoRollout, "arpo": ArpoRollout,
-                                            "aepo": AepoRollout}
+                                            "aepo": AepoRollout,
+                                            "stratified": StratifiedRollout}
 ROLLOUT = Tagged("rollout", "mode", ROLLOUT_MODES, "arpo", "rollout mode")
 RolloutConfig = ROLLOUT.annotation
