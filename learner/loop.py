@@ -131,6 +131,7 @@ class LearnerLoop:
         self.t_start = time.time() - meta.get("wall_time", 0.0)
         self.t_first_step: float | None = None  # end of this process's first step
         self.tool_calls = meta.get("tool_calls_trained", 0)  # run.tool_call_budget
+        self.checkpointed = self.step  # the step of the newest checkpoint written
         self.broadcast_s = 0.0
         self.state: dict | None = None
 
@@ -149,20 +150,23 @@ class LearnerLoop:
                 break
             part, groups, stats = batch
             wait_s = time.perf_counter() - t0
+            calls_before = self.tool_calls
             train = self.train(part, groups)
             if self._due(self.cfg.learner.sync_every):
                 self.broadcast_s = self.publish(self.step)
             self.state = self.run_state()
-            due = self._due(self.cfg.learner.checkpoint_every)
+            due = (self._due(self.cfg.learner.checkpoint_every)
+                   or self._calls_crossed(calls_before))
             checkpoint_s = self.checkpoint() if due else 0.0
             self.record(groups, stats, train, {
                 "wait_s": wait_s, "step_time_s": time.perf_counter() - t0,
                 "broadcast_time_s": self.broadcast_s, "checkpoint_time_s": checkpoint_s})
             if self.t_first_step is None:
                 self.t_first_step = time.time()
-        every = self.cfg.learner.checkpoint_every
-        if every and self.step % every and self.first_step < self.step < self.cfg.learner.max_steps:
-            self.checkpoint()  # the time limit ended the run between checkpoints: keep it too
+        lc = self.cfg.learner
+        if ((lc.checkpoint_every or lc.checkpoint_every_tool_calls)
+                and self.checkpointed != self.step and self.first_step < self.step):
+            self.checkpoint()  # the run ended between checkpoints: keep its last step too
         return self.finish()
 
     # ------------------------------------------------------------------ the steps
@@ -210,6 +214,7 @@ class LearnerLoop:
         return time.perf_counter() - t0
 
     def checkpoint(self) -> float:
+        self.checkpointed = self.step
         return write_checkpoint(self.cfg, self.trainer, self.rank, self.world, self.step,
                                 self.state)
 
@@ -261,6 +266,12 @@ class LearnerLoop:
         if self.cfg.run.time_limit_from == "first_step":
             return self.t_first_step is not None and time.time() - self.t_first_step > limit
         return time.time() - self.t_start > limit
+
+    def _calls_crossed(self, before: int) -> bool:
+        """This step's groups brought the trained tool calls past a multiple of
+        ``learner.checkpoint_every_tool_calls``."""
+        every = self.cfg.learner.checkpoint_every_tool_calls
+        return bool(every) and self.tool_calls // every > before // every
 
     def _due(self, every: int) -> bool:
         """Every ``every`` steps (0: never) and at the last step."""

@@ -70,6 +70,10 @@ class LearnerConfig(_Section):
     world_size: int = Field(1, ge=1, description="learner processes (torchrun ranks)")
     threads: int = Field(1, ge=1, description="torch CPU threads per learner rank")
     checkpoint_every: int = Field(0, ge=0, description="learner steps between checkpoints (0: off)")
+    checkpoint_every_tool_calls: int = Field(
+        0, ge=0, description="also a checkpoint at the step whose trained groups bring the "
+        "executed tool calls past each multiple of this (0: off): a learning curve against "
+        "tool cost (bench/arpo_vs_grpo.py); keep_checkpoints must hold them")
     keep_checkpoints: int = Field(
         2, ge=1, description="newest checkpoints kept in run_dir/checkpoints"
     )
