@@ -71,9 +71,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import REPO, RESULTS, SCRATCH_DIR, write_results  # noqa: E402
+from verdict import (  # noqa: E402
+    calls_to_reach,
+    checkpoint_calls,
+    curve_bands,
+    declare,
+    mean_ci,
+    plot_curves,
+    stratum_table,
+)
 
-ARMS = ("grpo", "arpo", "arpo_exact", "random", "aepo")
-KNOWN_ARMS = (*ARMS, "aepo_released")  # the last runs only when named in --arms
+ARMS = ("grpo", "arpo", "random", "random_strat", "aepo")
+KNOWN_ARMS = (*ARMS, "arpo_exact", "aepo_released")  # these run only when named in --arms
 REFERENCE = {"rollout.entropy_estimator": "reference", "sampling.logprobs_topk": 10,
              "rollout.alpha": 0.5, "rollout.beta": 0.2}
 # The authors' rollout (vllm_rollout_with_tools.py): short rounds summed as they are, a
@@ -87,12 +96,15 @@ AEPO_RELEASED = {**AEPO_PAPER, "rollout.aepo_dynamic_budget": False,
                  "learner.loss.aepo_entropy_adv_gamma": 0.0}
 ARM_RECORD = "bench_arm.json"  # the code and config an arm's folder was run with
 CODE_PATHS = ("actors", "learner", "arpo_async", "toolenv", "configs")
-PAIRS = (("arpo", "random"), ("arpo", "grpo"), ("arpo_exact", "random"),
-         ("arpo_exact", "grpo"), ("aepo", "grpo"), ("random", "grpo"),
-         ("aepo_released", "grpo"), ("aepo", "aepo_released"))
+PAIRS = (("arpo", "random"), ("arpo", "random_strat"), ("arpo", "grpo"),
+         ("random", "grpo"), ("random_strat", "grpo"), ("aepo", "grpo"),
+         ("arpo_exact", "random"), ("arpo_exact", "grpo"), ("aepo_released", "grpo"),
+         ("aepo", "aepo_released"))
+MATCHED = ("random", "random_strat")  # arms that take their rates from the seed's arpo run
 
 
-def arm_overrides(arm: str, random_alpha: float | None) -> dict:
+def arm_overrides(arm: str, random_alpha: float | None,
+                  strata: dict[str, float] | None = None) -> dict:
     if arm == "grpo":
         return {"rollout.mode": "grpo"}
     if arm == "arpo":
@@ -103,15 +115,19 @@ def arm_overrides(arm: str, random_alpha: float | None) -> dict:
     if arm in ("aepo", "aepo_released"):
         return {"rollout.mode": "aepo", **REFERENCE, **AUTHORS,
                 **(AEPO_PAPER if arm == "aepo" else AEPO_RELEASED)}
+    if arm in MATCHED and random_alpha is None:
+        raise ValueError(f"the {arm} arm needs the same seed's arpo run first")
     if arm == "random":
-        if random_alpha is None:
-            raise ValueError("the random arm needs the same seed's arpo run first")
         return {"rollout.mode": "arpo", **REFERENCE, **AUTHORS, "rollout.beta": 0.0,
                 "rollout.alpha": random_alpha}
+    if arm == "random_strat":  # P per tool and call index as the arpo run placed them
+        return {"rollout.mode": "stratified", **REFERENCE, **AUTHORS,
+                "rollout.alpha": random_alpha, "rollout.stratum_p": dict(strata or {})}
     raise ValueError(f"unknown arm {arm!r}; choose from {', '.join(KNOWN_ARMS)}")
 
 
-def arm_config(base, arm: str, seed: int, args, out: Path, random_alpha: float | None):
+def arm_config(base, arm: str, seed: int, args, out: Path, random_alpha: float | None,
+               strata: dict[str, float] | None = None):
     """The validated config an arm runs with."""
     from arpo_async.core.config import config_from_dict, set_value
 
@@ -121,11 +137,20 @@ def arm_config(base, arm: str, seed: int, args, out: Path, random_alpha: float |
                  "run.time_limit_from": "first_step",  # start-up, load-dependent, not counted
                  "learner.max_steps": 100000, "pipeline.eval_limit": args.eval_limit,
                  "pipeline.eval_k": args.eval_k, "metrics.wandb": False,
-                 **arm_overrides(arm, random_alpha)}
+                 **curve_overrides(args), **arm_overrides(arm, random_alpha, strata)}
     for key, value in overrides.items():  # on the tree: rollout.mode picks the section's class
         set_value(tree, key, value)
     tree["run"]["dir"] = str(out / f"{arm}-seed{seed}")
     return config_from_dict(tree)
+
+
+def curve_overrides(args) -> dict:
+    """A checkpoint at every ``--curve-every`` tool calls, all kept (the learning curve)."""
+    every = getattr(args, "curve_every", 0)
+    if not every:
+        return {}
+    return {"learner.checkpoint_every_tool_calls": every,
+            "learner.keep_checkpoints": args.tool_calls // every + 2}
 
 
 def config_hash(cfg) -> str:
@@ -136,14 +161,16 @@ def config_hash(cfg) -> str:
 
 
 def code_version() -> str:
-    """The checkout's commit, plus a hash of uncommitted changes to what a run executes."""
+    """The git trees of what a run executes (``CODE_PATHS``: a commit that touches only
+    tests, docs or benches keeps the arms), plus a hash of uncommitted changes to them."""
     def git(*argv: str) -> str:
         return subprocess.run(["git", *argv], cwd=REPO, capture_output=True, text=True,
                               check=True).stdout
 
+    trees = git("rev-parse", *(f"HEAD:{path}" for path in CODE_PATHS))
     diff = git("diff", "HEAD", "--", *CODE_PATHS)
     dirty = f"+{hashlib.sha256(diff.encode()).hexdigest()[:12]}" if diff else ""
-    return git("rev-parse", "HEAD").strip() + dirty
+    return "trees-" + hashlib.sha256(trees.encode()).hexdigest()[:16] + dirty
 
 
 def decision_weighted_p(run_dir: Path) -> float:
@@ -172,18 +199,22 @@ def exclusive(lock: str | None):
 
 
 def run_arm(base, arm: str, seed: int, args, sft: str, url: str, out: Path,
-            random_alpha: float | None) -> dict:
-    from arpo_async.core.rundir import latest_checkpoint
+            random_alpha: float | None, strata: dict[str, float] | None) -> dict:
+    from arpo_async.core.rundir import complete_checkpoints, latest_checkpoint
     from arpo_async.jobs.pipeline import run_eval, run_rl
 
-    cfg = arm_config(base, arm, seed, args, out, random_alpha)
+    cfg = arm_config(base, arm, seed, args, out, random_alpha, strata)
     run_dir = Path(cfg.run.dir)
     record = {"code": code_version(), "config_sha": config_hash(cfg)}  # before the run
     run_dir.mkdir(parents=True)
     t0 = time.time()
     run_rl(cfg, run_dir, sft, url, quiet=True)
     t_rl = time.time() - t0
-    run_eval(cfg, str(latest_checkpoint(run_dir)), url, run_dir / "eval")
+    last = latest_checkpoint(run_dir)
+    for ckpt in complete_checkpoints(run_dir) if args.curve_every else []:
+        if ckpt != last:  # the curve's earlier points; the last one is the arm's result
+            run_eval(cfg, str(ckpt), url, run_dir / "eval" / "curve" / ckpt.name)
+    run_eval(cfg, str(last), url, run_dir / "eval")
     timing = {"stage_s": round(t_rl, 1), "eval_s": round(time.time() - t0 - t_rl, 1),
               "loadavg_1m_after": round(os.getloadavg()[0], 2)}
     (run_dir / "bench_timing.json").write_text(json.dumps(timing))
@@ -199,8 +230,10 @@ def row_from_folder(run_dir: Path, arm: str, seed: int) -> dict:
     cfg = load_config(run_dir / "config.yaml", [])
     rl = rl_figures(run_dir)
     ev = json.loads((run_dir / "eval" / "summary.json").read_text())
+    k = cfg.pipeline.eval_k
     timing_path = run_dir / "bench_timing.json"
-    row = {"arm": arm, "seed": seed, "accuracy": ev["pass@1"],
+    row = {"arm": arm, "seed": seed, "accuracy": ev["pass@1"], "pass@k": ev.get(f"pass@{k}"),
+           **eval_point(run_dir / "eval", k), "curve": curve(run_dir, k),
            "tool_calls_per_sample": ev["tool_calls_per_sample"],
            "no_tool_share": ev.get("no_tool_share"), "tool_calls": rl.get("tool_calls"),
            "executed_per_leaf": rl.get("tools_executed_per_leaf_mean"),
@@ -212,7 +245,38 @@ def row_from_folder(run_dir: Path, arm: str, seed: int) -> dict:
            **(json.loads(timing_path.read_text()) if timing_path.is_file() else {})}
     if arm == "arpo":
         row["decision_weighted_p"] = decision_weighted_p(run_dir)
+        row["strata"] = stratum_table(run_dir)
+    if arm == "random_strat":
+        row["stratum_p"] = dict(cfg.rollout.stratum_p)
     return row
+
+
+def eval_point(folder: Path, k: int) -> dict:
+    """An evaluation's figures beyond pass@1: the recovery after a wrong search result
+    (toolenv/tasks/suite.py ``recovery``), from its items."""
+    from toolenv.tasks.suite import recovery
+
+    items = [json.loads(line) for line in (folder / "items.jsonl").read_text().splitlines()
+             if line.strip()]
+    rec = recovery(items)
+    return {"recovery": rec["rate"], "recovery_n": rec["n"], "wrong_result_share": rec["share"]}
+
+
+def curve(run_dir: Path, k: int) -> list[dict]:
+    """The arm's learning curve: (tool calls trained, pass@1, pass@k, recovery) at each
+    evaluated checkpoint, the last one included."""
+    from arpo_async.core.rundir import complete_checkpoints
+
+    points = []
+    ckpts = complete_checkpoints(run_dir)
+    for i, ckpt in enumerate(ckpts):
+        folder = run_dir / "eval" / ("curve/" + ckpt.name if i < len(ckpts) - 1 else "")
+        if (folder / "summary.json").is_file():
+            ev = json.loads((folder / "summary.json").read_text())
+            points.append({"calls": checkpoint_calls(ckpt), "step": int(ckpt.name[5:]),
+                           "pass@1": ev["pass@1"], "pass@k": ev.get(f"pass@{k}"),
+                           "recovery": eval_point(folder, k)["recovery"]})
+    return points
 
 
 def finished(run_dir: Path, want: dict) -> bool:
@@ -244,8 +308,9 @@ def mean_se(values: list[float]) -> tuple[float, float]:
     return m, math.sqrt(var / len(vals))
 
 
-FIGURES = ("accuracy", "tool_calls", "rl_wall_s", "executed_per_leaf",
-           "tool_calls_per_sample", "fork_rate", "p_outside_band_share", "steps")
+FIGURES = ("accuracy", "pass@k", "recovery", "wrong_result_share", "tool_calls", "rl_wall_s",
+           "executed_per_leaf", "tool_calls_per_sample", "fork_rate", "p_outside_band_share",
+           "steps", "calls_to_target")
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -257,17 +322,28 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
-def paired(rows: list[dict]) -> dict:
-    """Per seed differences of held-out pass@1 between arms, with their mean and s.e."""
-    acc = {(r["arm"], r["seed"]): r["accuracy"] for r in rows}
+def paired(rows: list[dict], figure: str = "accuracy") -> dict:
+    """Per seed differences of ``figure`` between arms: mean, s.e. and 95% t interval."""
+    acc = {(r["arm"], r["seed"]): r.get(figure) for r in rows}
     out = {}
     for a, b in PAIRS:
-        seeds = sorted(s for (arm, s) in acc if arm == a and (b, s) in acc)
+        seeds = sorted(s for (arm, s) in acc if arm == a and (b, s) in acc
+                       and acc[(a, s)] is not None and acc[(b, s)] is not None)
         diffs = [acc[(a, s)] - acc[(b, s)] for s in seeds]
         if diffs:
-            m, se = mean_se(diffs)
-            out[f"{a}-{b}"] = {"seeds": seeds, "diffs": diffs, "mean": m, "se": se}
+            out[f"{a}-{b}"] = {"seeds": seeds, "diffs": diffs, **mean_ci(diffs)}
     return out
+
+
+def add_calls_to_target(rows: list[dict], sft_acc: float | None, gain: float) -> None:
+    """Each row's executed tool calls to reach the SFT model's pass@1 + ``gain`` (censored
+    at its last checkpoint when not reached: ``reached_target`` false)."""
+    for row in rows:
+        if sft_acc is None or not row.get("curve"):
+            row["calls_to_target"], row["reached_target"] = None, None
+            continue
+        points = [(0.0, sft_acc)] + [(c["calls"], c["pass@1"]) for c in row["curve"]]
+        row["calls_to_target"], row["reached_target"] = calls_to_reach(points, sft_acc + gain)
 
 
 def null_test(base, sft: Path, data_dir: Path, args) -> dict:
@@ -322,12 +398,19 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--run", default="runs/noisy", help="a finished default job on the noisy suite")
     ap.add_argument("--seeds", default="0,1,2,3,4")
     ap.add_argument("--arms", default=",".join(ARMS))
-    ap.add_argument("--tool-calls", type=int, default=600,
+    ap.add_argument("--tool-calls", type=int, default=2500,
                     help="RL budget per arm: tool calls executed by the groups trained")
+    ap.add_argument("--curve-every", type=int, default=500,
+                    help="a checkpoint, evaluated, at every this many tool calls (0: the "
+                    "last only)")
+    ap.add_argument("--target-gain", type=float, default=0.05,
+                    help="the curve's target: the SFT model's pass@1 plus this")
+    ap.add_argument("--redeclare", action="store_true",
+                    help="replace OUT/endpoints.json (another design for the same --out)")
     ap.add_argument("--max-s", type=float, default=900.0,
                     help="wall-clock cap per arm after its first step, s (a stuck arm)")
-    ap.add_argument("--eval-limit", type=int, default=150)
-    ap.add_argument("--eval-k", type=int, default=2)
+    ap.add_argument("--eval-limit", type=int, default=300)
+    ap.add_argument("--eval-k", type=int, default=4)
     ap.add_argument("--null-limit", type=int, default=48, help="null test: held-out prompts")
     ap.add_argument("--null-k", type=int, default=4, help="null test: samples per prompt")
     ap.add_argument("--lock", default=None, help="hold an exclusive flock on FILE per arm")
@@ -341,14 +424,15 @@ def parse_args() -> argparse.Namespace:
 def run_seed(i: int, seed: int, arms: list[str], base, args, sft: Path, url: str, out: Path,
              rows: list[dict], total: int, t0: float) -> None:
     order = arms[i % len(arms):] + arms[:i % len(arms)]
-    if "random" in order and order.index("random") < order.index("arpo"):
-        order.remove("random")
-        order.insert(order.index("arpo") + 1, "random")
-    alpha = None
+    for arm in reversed(MATCHED):  # right after arpo, whose rates they need
+        if arm in order:
+            order.remove(arm)
+            order.insert(order.index("arpo") + 1, arm)
+    alpha = strata = None
     for arm in order:
         run_dir = out / f"{arm}-seed{seed}"
-        want = {"code": code_version(),
-                "config_sha": config_hash(arm_config(base, arm, seed, args, out, alpha))}
+        cfg = arm_config(base, arm, seed, args, out, alpha, strata)
+        want = {"code": code_version(), "config_sha": config_hash(cfg)}
         if finished(run_dir, want):
             row = row_from_folder(run_dir, arm, seed)
             print(f"[{len(rows) + 1}/{total}] seed {seed} {arm}: finished before, kept",
@@ -360,16 +444,18 @@ def run_seed(i: int, seed: int, arms: list[str], base, args, sft: Path, url: str
                 shutil.rmtree(run_dir, ignore_errors=True)  # a half-done arm
                 try:
                     with exclusive(args.lock):
-                        row = run_arm(base, arm, seed, args, str(sft), url, out, alpha)
+                        row = run_arm(base, arm, seed, args, str(sft), url, out, alpha,
+                                      strata)
                     break
                 except RuntimeError as exc:  # e.g. no step inside the budget
                     print(f"    attempt {attempt} failed: {exc}", flush=True)
                     if attempt == 2:
                         raise
         if arm == "arpo":
-            alpha = round(row["decision_weighted_p"], 4)
+            alpha, strata = round(row["decision_weighted_p"], 4), row["strata"]
         rows.append(row)
-        print(f"    acc {row['accuracy']:.3f}  tool calls {row['tool_calls']} "
+        print(f"    acc {row['accuracy']:.3f}  recovery {row['recovery']:.3f}  tool calls "
+              f"{row['tool_calls']} "
               f"({row['executed_per_leaf']}/leaf)  fork rate {row['fork_rate']}  steps "
               f"{row['steps']}  RL {row['rl_wall_s']} s  ({row.get('stage_s')} + "
               f"{row.get('eval_s')} s)", flush=True)
@@ -379,20 +465,55 @@ def _cell(s: dict, figure: str, digits: int = 3) -> str:
     return f"{s[figure][0]:.{digits}f} ± {s[figure][1]:.{digits}f}"
 
 
-def report(summary: dict, pairs: dict, null: dict | None, sft_acc, args) -> None:
-    print(f"\nheld-out after SFT: {sft_acc}; RL budget {args.tool_calls} executed tool calls "
-          f"per arm")
-    print(f"{'arm':10} {'pass@1':>15} {'tool calls':>13} {'RL wall s':>13} "
-          f"{'tools/leaf':>15} {'fork rate':>15} {'steps':>8}")
+def report(summary: dict, pairs: dict, sft: dict, null: dict | None, args) -> None:
+    print(f"\nheld-out after SFT: pass@1 {sft['pass@1']}, recovery {sft['recovery']:.3f}; RL "
+          f"budget {args.tool_calls} executed tool calls per arm; {args.eval_limit} prompts x "
+          f"{args.eval_k}")
+    print(f"{'arm':12} {'pass@1':>15} {'pass@k':>15} {'recovery':>15} {'calls to +5':>13} "
+          f"{'tools/leaf':>15} {'fork rate':>15} {'steps':>7}")
     for arm, s in summary.items():
-        print(f"{arm:10} {_cell(s, 'accuracy'):>15} {s['tool_calls'][0]:>13.0f} "
-              f"{_cell(s, 'rl_wall_s', 0):>13} {_cell(s, 'executed_per_leaf'):>15} "
-              f"{_cell(s, 'fork_rate'):>15} {s['steps'][0]:>8.1f}")
-    for name, p in pairs.items():
-        diffs = ", ".join(f"{d:+.3f}" for d in p["diffs"])
-        print(f"paired {name:18} {p['mean']:+.4f} ± {p['se']:.4f}  (per seed: {diffs})")
+        print(f"{arm:12} {_cell(s, 'accuracy'):>15} {_cell(s, 'pass@k'):>15} "
+              f"{_cell(s, 'recovery'):>15} {_cell(s, 'calls_to_target', 0):>13} "
+              f"{_cell(s, 'executed_per_leaf'):>15} {_cell(s, 'fork_rate'):>15} "
+              f"{s['steps'][0]:>7.1f}")
+    for figure, table in pairs.items():
+        for name, p in table.items():
+            diffs = ", ".join(f"{d:+.3f}" for d in p["diffs"])
+            print(f"paired {figure:9} {name:19} {p['mean']:+.4f} ± {p['se']:.4f} (95% t "
+                  f"{p['lo']:+.4f} to {p['hi']:+.4f}; per seed: {diffs})")
     if null:
         print(null["finding"])
+
+
+def sft_point(base, args, sft: Path, url: str, out: Path) -> dict:
+    """The shared SFT model evaluated as the arms are (OUT/sft_eval; read back on a rerun
+    with the same sizes): the curves' first point and the target's base."""
+    from arpo_async.jobs.pipeline import run_eval
+
+    folder = out / "sft_eval"
+    summary = folder / "summary.json"
+    done = json.loads(summary.read_text()) if summary.is_file() else {}
+    if (done.get("n"), done.get("k")) != (args.eval_limit, args.eval_k):
+        cfg = arm_config(base, "grpo", 0, args, out, None)
+        run_eval(cfg, str(sft), url, folder)
+        done = json.loads(summary.read_text())
+    return {"pass@1": done["pass@1"], "pass@k": done.get(f"pass@{args.eval_k}"),
+            **eval_point(folder, args.eval_k)}
+
+
+def verdict_line(summary: dict, pairs: dict, seeds: list[int], args) -> str:
+    acc, rec = pairs["accuracy"], pairs["recovery"]
+    x = acc.get("arpo-random", {}).get("mean", float("nan"))
+    se = acc.get("arpo-random", {}).get("se", float("nan"))
+    y = acc.get("arpo-grpo", {}).get("mean", float("nan"))
+    r = rec.get("arpo-grpo", {}).get("mean", float("nan"))
+    calls = {a: summary.get(a, {}).get("calls_to_target", (float("nan"),))[0]
+             for a in ("arpo", "grpo")}
+    q = calls["arpo"] / calls["grpo"] if calls["grpo"] else float("nan")
+    met = "met" if x >= 2 * se else "missed"  # nan compares false: missed
+    return (f"RESULT arpo_vs_grpo arpo_minus_random={x:+.4f} arpo_minus_grpo={y:+.4f} "
+            f"se={se:.4f} recovery_arpo_minus_grpo={r:+.4f} calls_to_sft_plus5_ratio={q:.3f} "
+            f"seeds={len(seeds)} budget={args.tool_calls} target=arpo_minus_random>=2se {met}")
 
 
 def main() -> int:
@@ -411,38 +532,44 @@ def main() -> int:
     arms = [a for a in args.arms.split(",") if a.strip()]
     for arm in arms:
         arm_overrides(arm, 0.5)  # names checked before anything runs
-    if "random" in arms and "arpo" not in arms:
-        raise SystemExit("--arms: the random arm takes its rate from the arpo arm; add arpo")
+    if any(a in arms for a in MATCHED) and "arpo" not in arms:
+        raise SystemExit("--arms: the random arms take their rates from the arpo arm; add arpo")
     base = load_config(src / USER_CONFIG, args.overrides)
     data_dir = Path(base.pipeline.data_dir)
-    sft_eval = src / "eval" / "sft" / "summary.json"
-    sft_acc = json.loads(sft_eval.read_text())["pass@1"] if sft_eval.is_file() else None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)  # arms already finished there are kept
+    design = {"run": str(src), "arms": arms, "seeds": seeds, "budget": args.tool_calls,
+              "curve_every": args.curve_every, "eval": [args.eval_limit, args.eval_k],
+              "target_gain": args.target_gain, "overrides": args.overrides,
+              "declared_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    declared = declare(out, design, args.redeclare)
+    print(f"endpoints declared {declared['declared_at']} ({out / 'endpoints.json'}): "
+          f"{declared['endpoints']['primary']}", flush=True)
     t0 = time.time()
     null = null_test(base, sft, data_dir, args) if args.null_limit else None
     rows: list[dict] = []
     corpus = data_dir / "corpus.jsonl"
     with RetrieverProcess(corpus, **suite_noise(corpus)) as retriever:
+        sft_figures = sft_point(base, args, sft, retriever.url, out)
         for i, seed in enumerate(seeds):
             run_seed(i, seed, arms, base, args, sft, retriever.url, out, rows,
                      len(seeds) * len(arms), t0)
-    summary, pairs = summarize(rows), paired(rows)
-    report(summary, pairs, null, sft_acc, args)
-    png = plot(summary, sft_acc, Path(args.results).with_suffix(".png"))
+    add_calls_to_target(rows, sft_figures["pass@1"], args.target_gain)
+    summary = summarize(rows)
+    pairs = {f: paired(rows, f) for f in ("accuracy", "recovery", "pass@k")}
+    report(summary, pairs, sft_figures, null, args)
+    png = plot(summary, sft_figures["pass@1"], Path(args.results).with_suffix(".png"))
+    bands = curve_bands(rows, sft_figures["pass@1"], args.curve_every) if args.curve_every else {}
+    if bands:
+        curve_png = png.with_name(png.stem + "_curve.png")
+        print(f"wrote {plot_curves(bands, sft_figures['pass@1'], curve_png)}")
     print(f"wrote {png}")
-    write_results("arpo_vs_grpo", {"args": vars(args), "accuracy_after_sft": sft_acc,
-                                   "suite": suite_noise(corpus), "rows": rows,
-                                   "summary": summary, "paired": pairs, "null_test": null,
+    write_results("arpo_vs_grpo", {"args": vars(args), "endpoints": declared,
+                                   "sft": sft_figures, "suite": suite_noise(corpus),
+                                   "rows": rows, "summary": summary, "paired": pairs,
+                                   "curves": bands, "null_test": null,
                                    "wall_s": round(time.time() - t0, 1)}, args.results)
-    vs_random, vs_grpo = pairs.get("arpo-random", {}), pairs.get("arpo-grpo", {})
-    x, se = vs_random.get("mean", float("nan")), vs_random.get("se", float("nan"))
-    y = vs_grpo.get("mean", float("nan"))
-    ratio = (summary["arpo"]["executed_per_leaf"][0] / summary["grpo"]["executed_per_leaf"][0]
-             if "arpo" in summary and "grpo" in summary else float("nan"))
-    met = "met" if x >= 2 * se else "missed"  # nan compares false: missed
-    print(f"RESULT arpo_vs_grpo arpo_minus_random={x:+.4f} arpo_minus_grpo={y:+.4f} "
-          f"se={se:.4f} tool_calls_ratio={ratio:.3f} target=arpo_minus_random>=2se {met}")
+    print(verdict_line(summary, pairs, seeds, args))
     return 0
 
 

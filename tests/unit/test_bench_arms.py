@@ -10,7 +10,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from arpo_async.core.config import AepoRollout, ArpoRollout, GrpoRollout, load_config
+from arpo_async.core.config import (
+    AepoRollout,
+    ArpoRollout,
+    GrpoRollout,
+    StratifiedRollout,
+    load_config,
+)
 from tests.conftest import REPO
 
 
@@ -25,12 +31,14 @@ def bench():
 
 @pytest.mark.parametrize("arm, cls", [("grpo", GrpoRollout), ("arpo", ArpoRollout),
                                       ("arpo_exact", ArpoRollout), ("random", ArpoRollout),
+                                      ("random_strat", StratifiedRollout),
                                       ("aepo", AepoRollout), ("aepo_released", AepoRollout)])
 def test_each_arm_gets_its_rollout_mode_and_the_rest_of_the_default_job(bench, arm, cls,
                                                                        tmp_path: Path):
     base = load_config()
     args = SimpleNamespace(tool_calls=2500, max_s=600, eval_limit=300, eval_k=4)
-    cfg = bench.arm_config(base, arm, 3, args, tmp_path, random_alpha=0.41)
+    cfg = bench.arm_config(base, arm, 3, args, tmp_path, random_alpha=0.41,
+                           strata={"search/1": 0.6})
     assert type(cfg.rollout) is cls and cfg.rollout.group_size == base.rollout.group_size
     assert (cfg.run.seed, cfg.run.tool_call_budget, cfg.run.dir) == (
         3, 2500, str(tmp_path / f"{arm}-seed3"))
@@ -38,6 +46,8 @@ def test_each_arm_gets_its_rollout_mode_and_the_rest_of_the_default_job(bench, a
     if cls is not GrpoRollout:  # the authors' rollout
         assert (cfg.rollout.fill, cfg.rollout.fork_h_init) == ("one_per_round", "own")
     assert cfg.rollout.beta == (0.0 if arm == "random" else 0.2)
+    if arm == "random_strat":
+        assert (cfg.rollout.stratum_p, cfg.rollout.alpha) == ({"search/1": 0.6}, 0.41)
     if cls is AepoRollout:
         assert cfg.rollout.aepo_rule == "authors"
         assert cfg.rollout.aepo_dynamic_budget == (arm == "aepo")

@@ -335,3 +335,38 @@ def make_tasks(spec: SuiteSpec, split: str, n: int | None = None) -> list[Task]:
                           [(x.name, a), (y.name, b)],
                           [rephrasings(phrase, x.name), rephrasings(phrase, y.name)]))
     return tasks
+
+
+# ----------------------------------------------------------------------------- outcomes
+
+_ASKED = re.compile(r"(?:of|by) ([A-Z][a-z]+ [A-Z][a-z]+)")
+_RESULT_TITLE = re.compile(r"<search>.*?</search>\s*<result>\s*Doc 1\(Title: ([^)]*)\)", re.S)
+
+
+def wrong_search_results(question: str, response: str) -> tuple[int, int]:
+    """(search results, wrong ones) in one response to a suite question: a result is wrong
+    when its first document names none of the entities the question asks about (the noisy
+    retriever's reply to a clean query, or the reply to a query the model miscopied)."""
+    asked = set(_ASKED.findall(question))
+    titles = _RESULT_TITLE.findall(response)
+    return len(titles), sum(1 for t in titles if t.strip() not in asked)
+
+
+def recovery(items: list[dict]) -> dict:
+    """How an evaluation's samples fared after a wrong search result (``items.jsonl`` rows
+    of arpo_async/jobs/evaluate.py): ``rate`` the share of the samples that met one and
+    still scored, of ``n`` such samples; ``share`` = n / all samples; ``pass_clean`` the
+    pass rate of the samples that met none."""
+    hit = clean = n = total = 0
+    for item in items:
+        for response, score in zip(item.get("responses", []), item.get("scores", [])):
+            total += 1
+            _, wrong = wrong_search_results(item["question"], response)
+            if wrong:
+                n += 1
+                hit += score > 0
+            else:
+                clean += score > 0
+    return {"rate": hit / n if n else float("nan"), "n": n,
+            "share": n / total if total else float("nan"),
+            "pass_clean": clean / (total - n) if total > n else float("nan")}
