@@ -49,6 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--noise", type=float, default=0.0,
                    help="share of query strings answered with a wrong entity's documents")
     s.add_argument("--noise-seed", type=int, default=0, help="seed of the noise draws")
+    s.add_argument("--noise-note", default="",
+                   help="text put before each document of a noisy reply ('': none)")
     s.add_argument("--ready-file", default="", help="write the URL here once serving")
     s.add_argument("--exit-with-parent", action="store_true",
                    help="stop when the starting process exits (used by RetrieverProcess)")
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
         try:
             serve(a.corpus, a.host, a.port, a.delay_ms, a.ready_file, a.exit_with_parent,
-                  a.noise, a.noise_seed)
+                  a.noise, a.noise_seed, a.noise_note)
         except CorpusError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

@@ -17,6 +17,8 @@ noisy synthetic suite, ``pipeline.suite_noise``): for a share S of query strings
 from a hash of (N, the query lower-cased with its whitespace collapsed, as the tool cache
 keys it), the reply names a wrong entity: the best documents whose title differs from the
 best match's. The same query always gets the same reply; another phrasing is another draw.
+``--noise-note TEXT`` puts TEXT before the text of each document of a noisy reply (a
+search engine's "no exact match": the wrong reply can then be told from a right one).
 ``start_retriever`` runs it inside the current loop; ``RetrieverProcess`` runs it as a
 child process and waits until it answers.
 """
@@ -90,13 +92,14 @@ class BM25Index:
     """bm25s over the documents' full contents (title included), English stopwords;
     ``noise``/``noise_seed``: the unreliable engine of the module docstring."""
 
-    def __init__(self, docs: list[dict], noise: float = 0.0, noise_seed: int = 0):
+    def __init__(self, docs: list[dict], noise: float = 0.0, noise_seed: int = 0,
+                 noise_note: str = ""):
         import bm25s  # lazy: --help and the client never need it
 
         if not 0.0 <= noise <= 1.0:
             raise ValueError(f"retriever noise {noise}: must be in [0, 1]")
         self._bm25s = bm25s
-        self.noise, self.noise_seed = noise, noise_seed
+        self.noise, self.noise_seed, self.noise_note = noise, noise_seed, noise_note
         self.noisy_replies = 0
         start = time.monotonic()
         self.docs = docs
@@ -120,6 +123,8 @@ class BM25Index:
         if not wrong:
             return hits[:k]
         self.noisy_replies += 1
+        if self.noise_note:
+            return [(_noted(doc, self.noise_note), score) for doc, score in wrong]
         return wrong
 
     def _ranked(self, query: str, k: int) -> list[tuple[dict, float]]:
@@ -138,6 +143,12 @@ class BM25Index:
 
 def _title(doc: dict) -> str:
     return doc["contents"].partition("\n")[0].strip()
+
+
+def _noted(doc: dict, note: str) -> dict:
+    """``doc`` with ``note`` before its text (its title kept first)."""
+    title, _, text = doc["contents"].partition("\n")
+    return {**doc, "contents": f"{title}\n{note} {text}"}
 
 
 @dataclass
@@ -220,13 +231,13 @@ def build_app(index: BM25Index, delay_ms: float = 0.0) -> web.Application:
 
 async def start_retriever(
     corpus_path: str | Path, host: str = "127.0.0.1", port: int = 0, delay_ms: float = 0.0,
-    noise: float = 0.0, noise_seed: int = 0,
+    noise: float = 0.0, noise_seed: int = 0, noise_note: str = "",
 ) -> tuple[web.AppRunner, str]:
     """Index the corpus and serve it in the running loop. Returns (runner, url of
     /retrieve); stop with ``await runner.cleanup()``."""
     loop = asyncio.get_running_loop()
     docs = await loop.run_in_executor(None, load_corpus, corpus_path)
-    index = await loop.run_in_executor(None, BM25Index, docs, noise, noise_seed)
+    index = await loop.run_in_executor(None, BM25Index, docs, noise, noise_seed, noise_note)
     log.info("indexed %d docs (%d terms) from %s in %.2fs",
              len(docs), index.vocab_size, corpus_path, index.build_s)
     runner = web.AppRunner(build_app(index, delay_ms), access_log=None)
@@ -249,11 +260,13 @@ async def _watch_parent(stop: asyncio.Event) -> None:
 
 
 def serve(corpus: str, host: str, port: int, delay_ms: float, ready_file: str = "",
-          exit_with_parent: bool = False, noise: float = 0.0, noise_seed: int = 0) -> None:
+          exit_with_parent: bool = False, noise: float = 0.0, noise_seed: int = 0,
+          noise_note: str = "") -> None:
     """Blocking entry point of ``serve-retriever``; stops on SIGINT/SIGTERM."""
 
     async def main() -> None:
-        runner, url = await start_retriever(corpus, host, port, delay_ms, noise, noise_seed)
+        runner, url = await start_retriever(corpus, host, port, delay_ms, noise, noise_seed,
+                                            noise_note)
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
@@ -277,10 +290,10 @@ class RetrieverProcess:
 
     def __init__(self, corpus: str | Path, port: int = 0, host: str = "127.0.0.1",
                  delay_ms: float = 0.0, startup_timeout_s: float = 60.0, noise: float = 0.0,
-                 noise_seed: int = 0):
+                 noise_seed: int = 0, noise_note: str = ""):
         self.corpus, self.port, self.host = Path(corpus), port, host
         self.delay_ms, self.startup_timeout_s = delay_ms, startup_timeout_s
-        self.noise, self.noise_seed = noise, noise_seed
+        self.noise, self.noise_seed, self.noise_note = noise, noise_seed, noise_note
         self.url = ""
         self.proc: subprocess.Popen | None = None
         self._tmp: tempfile.TemporaryDirectory | None = None
@@ -295,6 +308,7 @@ class RetrieverProcess:
         cmd = [sys.executable, "-m", "toolenv", "serve-retriever", "--corpus", str(self.corpus),
                "--host", self.host, "--port", str(self.port), "--delay-ms", str(self.delay_ms),
                "--noise", repr(self.noise), "--noise-seed", str(self.noise_seed),
+               "--noise-note", self.noise_note,
                "--ready-file", str(ready), "--exit-with-parent"]
         with logf.open("wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)

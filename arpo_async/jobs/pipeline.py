@@ -95,7 +95,7 @@ def build_data(cfg: Config) -> dict:
                      rl=p.suite_rl, heldout=p.suite_heldout, topk=cfg.tools.search.topk,
                      snippet_chars=cfg.tools.search.snippet_chars, direct=p.suite_direct,
                      search_noise=p.suite_noise, python_slips=p.suite_slips,
-                     recover=p.suite_recover)
+                     recover=p.suite_recover, search_noise_note=p.suite_noise_note)
     meta_path = out / "meta.json"
     if meta_path.exists():
         meta = json.loads(meta_path.read_text())

@@ -54,8 +54,8 @@ class RealTools:
     the retriever's reply."""
 
     def __init__(self, docs: list[dict], topk: int, snippet_chars: int, hide: list = (),
-                 noise: float = 0.0, noise_seed: int = 0):
-        self.index = BM25Index(docs, noise, noise_seed)
+                 noise: float = 0.0, noise_seed: int = 0, noise_note: str = ""):
+        self.index = BM25Index(docs, noise, noise_seed, noise_note)
         self.python = PythonTool(hide=list(hide))
         self.topk, self.snippet_chars = topk, snippet_chars
 
@@ -211,7 +211,7 @@ def write_suite(out_dir: str | Path, spec: SuiteSpec = SuiteSpec(), concurrency:
         write_jsonl(out / f"{split}.jsonl", [t.row() for t in tasks[split]])
     t1 = time.perf_counter()
     tools = RealTools(docs, spec.topk, spec.snippet_chars, hide=[out], noise=spec.search_noise,
-                      noise_seed=spec.seed)
+                      noise_seed=spec.seed, noise_note=spec.search_noise_note)
     # which traces answer from memory: their own generator, so the tasks do not change
     direct = np.random.default_rng([spec.seed, 9]).random(len(tasks["sft"])) < spec.direct
     noisy = spec.search_noise > 0 or spec.python_slips > 0
@@ -249,6 +249,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="share of SFT traces answering from memory, without a tool")
     ap.add_argument("--search-noise", type=float, default=d.search_noise,
                     help="share of query strings answered with a wrong entity")
+    ap.add_argument("--search-noise-note", default=d.search_noise_note,
+                    help="text before each document of a wrong reply ('': none)")
     ap.add_argument("--python-slips", type=float, default=d.python_slips,
                     help="share of SFT snippets with a slipped operand")
     ap.add_argument("--recover", type=float, default=d.recover,

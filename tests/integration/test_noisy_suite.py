@@ -44,6 +44,22 @@ def test_wrong_entity_replies_are_a_fixed_share_of_queries():
     assert not noisy_query(queries[0], 0.0, 5) and noisy_query(queries[0], 1.0, 5)
 
 
+def test_a_noted_wrong_reply_says_so_and_a_right_one_is_untouched():
+    docs = gen.corpus_rows(gen.make_entities(NOISY))
+    plain = BM25Index(docs, noise=0.3, noise_seed=5)
+    noted = BM25Index(docs, noise=0.3, noise_seed=5, noise_note="No exact match.")
+    queries = [t.calls[0][1] for t in gen.make_tasks(NOISY, "rl", 60) if t.kind == "lookup"]
+    assert any(noisy_query(q, 0.3, 5) for q in queries)
+    assert any(not noisy_query(q, 0.3, 5) for q in queries)
+    for q in queries:
+        (doc, score), = plain.search(q, 1)
+        (got, got_score), = noted.search(q, 1)
+        title, _, text = doc["contents"].partition("\n")
+        want = f"{title}\nNo exact match. {text}" if noisy_query(q, 0.3, 5) else doc["contents"]
+        assert (got["contents"], got["id"], got_score) == (want, doc["id"], score), q
+        assert "No exact match" not in doc["contents"]  # the corpus itself is left alone
+
+
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory):
     out = tmp_path_factory.mktemp("noisy")
@@ -60,7 +76,8 @@ def test_traces_check_some_wrong_results_and_use_others(suite):
     counts = meta["counts"]
     assert counts["sft_wrong_results"] > counts["sft_checks"] > 0
     assert counts["sft_correct"] == sum(t["correct"] for t in traces) < len(traces)
-    assert gen.suite_noise(out / "corpus.jsonl") == {"noise": 0.5, "noise_seed": 5}
+    assert gen.suite_noise(out / "corpus.jsonl") == {"noise": 0.5, "noise_seed": 5,
+                                                     "noise_note": ""}
     for t in traces:
         assert validate_format(t["response"]) == (True, "ok"), t["id"]
         score = score_response(t["response"], Example(t["id"], t["question"], t["answers"], "math"))

@@ -25,7 +25,10 @@ again with another phrasing from ``Task.rephrase``, or runs the snippet again as
 should have been) in a share ``recover`` of traces and answers with the wrong value
 otherwise, so the SFT model has both continuations and the better one after a tool result
 is uncertain: where ARPO's branching is meant to pay. The questions are the same as the
-default suite's.
+default suite's. With ``search_noise_note`` (``pipeline.suite_noise_note``) a wrong reply
+says so ("No exact match."), as search engines do: the tiny model cannot compare the
+reply's entity name with the question's, so without the note it re-searches at random
+(the recover suite of bench/README.md, where the post-tool choice decides the reward).
 
 The files of a suite (corpus, SFT traces built with the real tools, the splits) are
 written by ``python -m arpo_async.jobs.synthetic`` (arpo_async/jobs/synthetic.py).
@@ -100,6 +103,9 @@ class SuiteSpec:
     search_noise: float = 0.0
     python_slips: float = 0.0
     recover: float = 0.5
+    # text the retriever puts before a wrong reply's documents ('': none, the wrong reply
+    # looks like a right one): a wrong result the model can see (the recover suite)
+    search_noise_note: str = ""
 
     def count(self, split: str) -> int:
         return {"sft": self.sft, "rl": self.rl, "heldout": self.heldout}[split]
@@ -287,7 +293,8 @@ def suite_noise(corpus: str | Path) -> dict:
     meta = Path(corpus).with_name("meta.json")
     spec = json.loads(meta.read_text()).get("spec", {}) if meta.is_file() else {}
     return {"noise": float(spec.get("search_noise", 0.0)),
-            "noise_seed": int(spec.get("seed", 0))}
+            "noise_seed": int(spec.get("seed", 0)),
+            "noise_note": str(spec.get("search_noise_note", ""))}
 
 
 def _pick_attr(rng: np.random.Generator) -> tuple[str, tuple]:

@@ -82,6 +82,10 @@ class PipelineConfig(_Section):
     suite_noise: float = Field(
         0.0, ge=0, le=1, description="noisy suite: share of search query strings the suite's "
         "retriever answers with a wrong entity's documents (toolenv/tasks/suite.py)")
+    suite_noise_note: str = Field(
+        "", description="noisy suite: text the retriever puts before each document of a wrong "
+        "reply, a search engine's 'no exact match' ('': none, a wrong reply looks like a right "
+        "one); the recover suite of bench/README.md uses 'No exact match.'")
     suite_slips: float = Field(
         0.0, ge=0, le=1, description="noisy suite: share of SFT Python snippets with a slipped "
         "operand (a wrong result)")
