@@ -69,7 +69,7 @@ class BranchSettings:
     initial_samples: int  # N: global samples started first
     branch_factor: int = 1  # Z: forks per branching event
     entropy_window: int = 20  # k: tokens of a round whose entropy is read (rollout side)
-    entropy_reduce: str = "sum"  # how the k token entropies make the round's: sum | mean
+    entropy_reduce: str = "sum"  # how the k token entropies make the round's: sum|mean|max
     alpha: float = 0.5  # base branch probability
     beta: float = 0.2  # branch probability per unit of entropy rise
     threshold_mode: bool = False  # branch iff P >= branch_threshold (no random draw)

@@ -190,7 +190,7 @@ def round_entropy(top_logprobs: Sequence[Sequence[float]], sampled: Sequence[flo
             per_token = entropy_from_topk(top, vocab_size) if len(top) else np.zeros(0)
         h = window_entropy(per_token, window, reduce) if per_token.size else math.nan
         n = int(np.isfinite(per_token[:window]).sum())
-        if reduce == "mean":
+        if reduce != "sum":
             return h
     if short_round == "scale" and 0 < n < window:
         h *= window / n
@@ -203,7 +203,9 @@ def window_entropy(token_entropies: Sequence[float] | np.ndarray, k: int,
     their normalised entropies summed (``reduce="sum"``, the scale of the code behind the
     ARPO paper's numbers, so H lies in [0, k]) or averaged (``"mean"``, in [0, 1]; dH is
     then about k times smaller, and with beta = 0.2 the branch probability barely leaves
-    alpha).
+    alpha), or their maximum (``"max"``, in [0, 1]: the one most uncertain token, a
+    decision made in a single token, which a sum over k tokens normalised by ln V
+    dilutes; its scale needs a beta of its own).
 
     nan entries (tokens with no log-probs) are skipped, not counted as 0: a zero would
     look like certainty and lower the baseline. A round with no finite entry in its first
@@ -212,10 +214,11 @@ def window_entropy(token_entropies: Sequence[float] | np.ndarray, k: int,
     """
     if k < 1:
         raise ValueError(f"window_entropy: k={k}; need >= 1")
-    if reduce not in ("sum", "mean"):
-        raise ValueError(f"window_entropy: reduce={reduce!r}; expected sum or mean")
+    if reduce not in ("sum", "mean", "max"):
+        raise ValueError(f"window_entropy: reduce={reduce!r}; expected sum, mean or max")
     head = np.asarray(token_entropies, dtype=np.float64).reshape(-1)[:k]
     head = head[np.isfinite(head)]
     if not head.size:
         return math.nan
-    return float(head.sum() if reduce == "sum" else head.mean())
+    return float(head.sum() if reduce == "sum" else head.mean() if reduce == "mean"
+                 else head.max())

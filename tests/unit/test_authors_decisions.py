@@ -231,8 +231,9 @@ async def test_the_rollout_decides_one_round_earlier(tiny_model_dir, monkeypatch
 
     seen = []
     decide = BranchPlanner.after_tool_round
-    monkeypatch.setattr(BranchPlanner, "after_tool_round", lambda self, t, h, short=False: (
-        seen.append((t, h, self.h_init_of(t))) or decide(self, t, h, short)))
+    monkeypatch.setattr(BranchPlanner, "after_tool_round",
+                        lambda self, t, h, short=False, p_given=None: (
+                            seen.append((t, h, self.h_init_of(t))) or decide(self, t, h, short)))
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     cfg = config_from_dict({
         "rollout": {"mode": "arpo", "group_size": 2, "initial_samples": 2, "alpha": 0.0,

@@ -62,7 +62,7 @@ def test_entropy_reduce_defaults_to_the_authors_sum():
     aepo = load_config(SPINE_CONFIG, ["rollout.mode=aepo"]).rollout
     assert aepo.entropy_reduce == "sum" and aepo.aepo_budget_beta == 0.5
     with pytest.raises(ConfigError, match="rollout.entropy_reduce"):
-        load_config(SPINE_CONFIG, ["rollout.entropy_reduce=max"])
+        load_config(SPINE_CONFIG, ["rollout.entropy_reduce=median"])
 
 
 @pytest.mark.parametrize("k", [5, 20])
@@ -264,7 +264,7 @@ def test_the_rollout_is_a_section_whose_keys_follow_its_mode():
                                           r"not of grpo$"):
         load_config(SPINE_CONFIG, ["rollout.aepo_rule=authors"])
     with pytest.raises(ConfigError, match=r"^rollout.mode: 'ppo' is not a rollout mode "
-                                          r"\(aepo, arpo, grpo\)$"):
+                                          r"\(aepo, arpo, grpo, stratified\)$"):
         load_config(SPINE_CONFIG, ["rollout.mode=ppo"])
     raw = aepo.model_dump(mode="json") | {"alpha": 0.3}
     grpo = GrpoRollout.model_validate(ROLLOUT.retag(raw, "grpo"))

@@ -104,12 +104,14 @@ def test_window_entropy_rules():
     assert window_entropy(vals, 3, "mean") == pytest.approx(0.3)  # not counted as 0
     assert window_entropy(vals, 4, "mean") == pytest.approx(0.4)
     assert window_entropy(vals, 100, "mean") == pytest.approx(np.mean([0.2, 0.4, 0.6, 0.9]))
-    for reduce in ("sum", "mean"):
+    assert window_entropy(vals, 3, "max") == pytest.approx(0.4)  # nan skipped
+    assert window_entropy(vals, 100, "max") == pytest.approx(0.9)
+    for reduce in ("sum", "mean", "max"):
         assert window_entropy([0.0, 0.0], 5, reduce) == 0.0
         assert math.isnan(window_entropy([], 5, reduce))
         assert math.isnan(window_entropy([math.nan, math.nan], 5, reduce))
         assert window_entropy(np.array([0.5, 0.1]), 1, reduce) == pytest.approx(0.5)
     with pytest.raises(ValueError, match="k=0"):
         window_entropy([0.1], 0)
-    with pytest.raises(ValueError, match="reduce='max'"):
-        window_entropy([0.1], 1, "max")
+    with pytest.raises(ValueError, match="reduce='median'"):
+        window_entropy([0.1], 1, "median")

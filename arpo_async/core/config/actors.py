@@ -193,10 +193,11 @@ class _Rollout(_Section):
         4, ge=1, description="N: initial global samples per prompt (arpo, aepo; grpo: M)")
     branch_factor: int = Field(1, ge=1, description="Z: forks per branching event (arpo, aepo)")
     entropy_window: int = Field(20, ge=1, description="k: tokens of a round whose entropy is read")
-    entropy_reduce: Literal["sum", "mean"] = Field(
+    entropy_reduce: Literal["sum", "mean", "max"] = Field(
         "sum", description="round entropy from its first k tokens' normalised entropies: summed "
-        "(the ARPO authors' scale, H in [0, k]) or averaged (H in [0, 1]; dH about k times "
-        "smaller, so P stays near alpha)")
+        "(the ARPO authors' scale, H in [0, k]), averaged (H in [0, 1]; dH about k times "
+        "smaller, so P stays near alpha) or their maximum (H in [0, 1]: the most uncertain "
+        "token, a one-token decision the sum dilutes; give it a larger beta)")
     entropy_estimator: Literal["reference", "tail_corrected", "exact"] = Field(
         "tail_corrected", description="round entropy (arpo_async/core/entropy.py): the ARPO "
         "authors' formula (known -p log p terms of the top sampling.logprobs_topk and the "
