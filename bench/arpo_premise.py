@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", default=None, help="analysis folder (default RUN/analysis)")
     ap.add_argument("--results", default=str(RESULTS / "arpo_premise.json"))
     ap.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
-    return ap.parse_args(argv)
+    return ap.parse_intermixed_args(argv)  # key=value overrides may follow the options
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,55 +1,59 @@
-"""ARPO against GRPO, random branching and AEPO on the noisy suite, at equal tool cost.
+"""ARPO against GRPO, random branching and AEPO at equal tool cost: the verdict (issue 35).
 
-From one SFT checkpoint of a default job built on the noisy suite (``pipeline.suite_noise``,
-``pipeline.suite_slips``: a share of search replies name a wrong entity and a share of the
-demonstrator's snippets slip, so after a tool result checking and answering compete),
-each arm is a real RL stage (vLLM actors, DeepSpeed learner, sandboxed Python, the noisy
-BM25 retriever) followed by the held-out evaluation of its last checkpoint:
+From one SFT checkpoint of a default job (``--run``; the recover suite or the default
+suite), each arm is a real RL stage (vLLM actors, DeepSpeed learner, sandboxed Python, the
+suite's BM25 retriever) stopped at ``--tool-calls`` executed tool calls
+(``run.tool_call_budget``), with a checkpoint at every ``--curve-every`` calls, each
+evaluated on the held-out prompts (``--eval-limit`` x ``--eval-k``):
 
 - ``grpo``: no branching;
 - ``arpo``: entropy branching on the authors' settings: their estimator
   (``entropy_estimator=reference``, top 10), alpha 0.5, beta 0.2, short rounds as they are,
   a fork's own first round as its H_init, one fresh sample per round while none is live
   (``AUTHORS``; tests/unit/test_authors_decisions.py);
-- ``arpo_exact``: the same with the exact entropy (vLLM returns each window token's whole
-  log-prob vector);
 - ``random``: ``beta=0`` and ``alpha`` = the decision-weighted mean P of the same seed's
-  ``arpo`` run: as many forks at the same decision points, placed by chance, the ablation
-  that isolates the entropy signal;
+  ``arpo`` run: as many forks at the same decision points, placed by chance;
+- ``random_strat``: ``rollout.mode=stratified``, P per stratum (the tool before the round
+  and that call's index) as the same seed's ``arpo`` run placed them: separates "entropy
+  picks the states" from "entropy is higher after a search than after Python";
 - ``aepo``: AEPO as the paper describes it, on the same settings: dynamic budget split,
   branch penalty 0.05 with the authors' rule, entropy-balanced clipping, entropy-aware
   advantage (gamma 0.2);
-- ``aepo_released`` (only when named in ``--arms``): AEPO as the authors' released scripts
-  run it (AEPO/scripts/AEPO_*_DeepResearch.sh:52-54): no dynamic budget, and no
-  entropy-aware advantage (theirs never acts: no entropy is computed at entropy_coeff 0).
+- ``arpo_exact``, ``aepo_released`` (only when named in ``--arms``): the exact entropy;
+  AEPO as the authors' released scripts run it (no dynamic budget, an entropy-aware
+  advantage that never acts).
 
-**Budget: executed tool calls** (``run.tool_call_budget``, the same for every arm): ARPO's
-claim is better accuracy per tool call, and on this shared machine wall time measures
-the other jobs' load as much as the arm (``--max-s`` only caps a stuck arm, counted from
-the first learner step). Each arm's wall time and steps are reported beside it. Every arm
-runs once per seed (``run.seed``: the actors' sampling and branching), arm order rotated
-per seed (``random`` right after ``arpo``, whose rate it needs).
+**Budget: executed tool calls**, the same for every arm (ARPO's claim is accuracy per
+tool call; wall time on this shared machine measures the other jobs as much as the arm).
+Every arm runs once per seed (``run.seed``), arm order rotated per seed, the matched
+random arms right after ``arpo``.
 
-Reported per arm (mean and standard error over seeds): held-out pass@1 after RL, tool
-calls executed and their wall time, tool calls per leaf, fork rate, steps; per seed the
-paired differences arpo - random, arpo - grpo, arpo_exact - random; and the null test of
-``python -m arpo_async.jobs.analyze entropy`` on the SFT model (does the entropy signal rise
-above sampling noise?). JSON to ``--results`` with a plot beside it; the last line is
-``RESULT arpo_vs_grpo arpo_minus_random=<x> arpo_minus_grpo=<y> se=<z>
-tool_calls_ratio=<r> target=arpo_minus_random>=2se met|missed`` (se: standard error of the
-paired arpo - random difference; r: arpo / grpo tool calls per leaf).
+**Endpoints, declared before the runs** (bench/verdict.py ``ENDPOINTS``, written with the
+design to ``OUT/endpoints.json`` at the first start; a rerun with another design refuses):
+primary, the held-out recovery rate after a wrong search result (the share of samples that
+met one and still answered right: ARPO's mechanism measured directly); then pass@1 and
+pass@k, and the executed tool calls to reach the SFT model's pass@1 + ``--target-gain``
+(the curve, linear between checkpoints, censored at the budget). Paired per seed against
+the same seed's other arms, mean +- t(0.975, n-1) s.e.
 
-    python bench/arpo_vs_grpo.py --run runs/noisy [--seeds 0,1,2,3,4] [--tool-calls 600]
-        [--arms grpo,arpo,arpo_exact,random,aepo] [--eval-limit 150] [--eval-k 2]
+JSON to ``--results`` with two plots beside it (the arms' bars; accuracy against tool
+calls with s.e. bands); the last line is ``RESULT arpo_vs_grpo arpo_minus_random=<x>
+arpo_minus_grpo=<y> se=<z> recovery_arpo_minus_grpo=<r> calls_to_sft_plus5_ratio=<q>
+seeds=<n> budget=<b> target=arpo_minus_random>=2se met|missed``.
+
+    python bench/arpo_vs_grpo.py --run runs/recover --out runs/verdict_recover
+        [--seeds 0,1,2,3,4] [--tool-calls 2500] [--curve-every 500]
+        [--arms grpo,arpo,random,random_strat,aepo] [--eval-limit 300] [--eval-k 4]
         [--null-limit 48 --null-k 4] [--lock FILE] [key=value ...]
 
 Arms already finished under ``--out`` are read back, not run again, if their folder
-records this code (``git`` commit, plus a hash of uncommitted changes to the packages and
-configs) and this arm's config (a hash; ``bench_arm.json``); any other folder is run again.
-``--run`` is a
-finished default job on the noisy suite, e.g. ``python -m arpo_async.launch run.dir=runs/noisy
-pipeline.data_dir=data/noisy task.data=data/noisy/rl.jsonl pipeline.suite_noise=0.3
-pipeline.suite_slips=0.2 rollout.tool_call_limit=5 sampling.max_response_tokens=400``.
+records this code (the git trees of the packages and configs, plus a hash of uncommitted
+changes to them) and this arm's config (a hash; ``bench_arm.json``); any other folder is
+run again. ``--run`` is a finished default job, e.g. the recover suite:
+``python -m arpo_async.launch run.dir=runs/recover pipeline.data_dir=data/recover
+task.data=data/recover/rl.jsonl pipeline.suite_noise=0.4 pipeline.suite_slips=0
+pipeline.suite_recover=0.5 pipeline.suite_direct=0 rollout.tool_call_limit=5
+sampling.max_response_tokens=400 run.time_limit_s=60``.
 """
 
 from __future__ import annotations
@@ -418,7 +422,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--results", default=str(RESULTS / "arpo_vs_grpo.json"))
     ap.add_argument("overrides", nargs="*", metavar="key=value",
                     help="applied to the run's config before the arms' own keys")
-    return ap.parse_args()
+    return ap.parse_intermixed_args()  # key=value overrides may follow the options
 
 
 def run_seed(i: int, seed: int, arms: list[str], base, args, sft: Path, url: str, out: Path,
