@@ -19,6 +19,9 @@ evaluated on the held-out prompts (``--eval-limit`` x ``--eval-k``):
 - ``aepo``: AEPO as the paper describes it, on the same settings: dynamic budget split,
   branch penalty 0.05 with the authors' rule, entropy-balanced clipping, entropy-aware
   advantage (gamma 0.2);
+- ``arpo_max``: ARPO with the signal that passed the outcome test on the recover suite:
+  the window's most uncertain token (``entropy_reduce=max``, tail-corrected top 10,
+  beta 1.5), the rest as ``arpo``;
 - ``arpo_exact``, ``aepo_released`` (only when named in ``--arms``): the exact entropy;
   AEPO as the authors' released scripts run it (no dynamic budget, an entropy-aware
   advantage that never acts).
@@ -85,7 +88,7 @@ from verdict import (  # noqa: E402
     stratum_table,
 )
 
-ARMS = ("grpo", "arpo", "random", "random_strat", "aepo")
+ARMS = ("grpo", "arpo", "random", "random_strat", "aepo", "arpo_max")
 KNOWN_ARMS = (*ARMS, "arpo_exact", "aepo_released")  # these run only when named in --arms
 REFERENCE = {"rollout.entropy_estimator": "reference", "sampling.logprobs_topk": 10,
              "rollout.alpha": 0.5, "rollout.beta": 0.2}
@@ -93,6 +96,10 @@ REFERENCE = {"rollout.entropy_estimator": "reference", "sampling.logprobs_topk":
 # fork's H_init from its own first round, one fresh global sample per round.
 AUTHORS = {"rollout.short_round": "as_is", "rollout.fork_h_init": "own",
            "rollout.fill": "one_per_round"}
+# The signal that passed the outcome test on the recover suite (bench/README.md): the most
+# uncertain token of the window (a one-token decision), its own scale for beta.
+MAX_TOKEN = {"rollout.entropy_estimator": "tail_corrected", "rollout.entropy_reduce": "max",
+             "rollout.beta": 1.5}
 AEPO_PAPER = {"rollout.aepo_dynamic_budget": True, "rollout.aepo_branch_penalty": 0.05,
               "rollout.aepo_rule": "authors", "learner.loss.aepo_entropy_clip": True,
               "learner.loss.aepo_entropy_adv_gamma": 0.2}
@@ -101,6 +108,7 @@ AEPO_RELEASED = {**AEPO_PAPER, "rollout.aepo_dynamic_budget": False,
 ARM_RECORD = "bench_arm.json"  # the code and config an arm's folder was run with
 CODE_PATHS = ("actors", "learner", "arpo_async", "toolenv", "configs")
 PAIRS = (("arpo", "random"), ("arpo", "random_strat"), ("arpo", "grpo"),
+         ("arpo_max", "grpo"), ("arpo_max", "random_strat"), ("arpo_max", "arpo"),
          ("random", "grpo"), ("random_strat", "grpo"), ("aepo", "grpo"),
          ("arpo_exact", "random"), ("arpo_exact", "grpo"), ("aepo_released", "grpo"),
          ("aepo", "aepo_released"))
@@ -113,6 +121,8 @@ def arm_overrides(arm: str, random_alpha: float | None,
         return {"rollout.mode": "grpo"}
     if arm == "arpo":
         return {"rollout.mode": "arpo", **REFERENCE, **AUTHORS}
+    if arm == "arpo_max":
+        return {"rollout.mode": "arpo", **REFERENCE, **AUTHORS, **MAX_TOKEN}
     if arm == "arpo_exact":
         return {"rollout.mode": "arpo", **REFERENCE, **AUTHORS,
                 "rollout.entropy_estimator": "exact"}

@@ -32,6 +32,7 @@ def bench():
 @pytest.mark.parametrize("arm, cls", [("grpo", GrpoRollout), ("arpo", ArpoRollout),
                                       ("arpo_exact", ArpoRollout), ("random", ArpoRollout),
                                       ("random_strat", StratifiedRollout),
+                                      ("arpo_max", ArpoRollout),
                                       ("aepo", AepoRollout), ("aepo_released", AepoRollout)])
 def test_each_arm_gets_its_rollout_mode_and_the_rest_of_the_default_job(bench, arm, cls,
                                                                        tmp_path: Path):
@@ -45,7 +46,7 @@ def test_each_arm_gets_its_rollout_mode_and_the_rest_of_the_default_job(bench, a
     assert cfg.model == base.model and cfg.learner.batch_groups == base.learner.batch_groups
     if cls is not GrpoRollout:  # the authors' rollout
         assert (cfg.rollout.fill, cfg.rollout.fork_h_init) == ("one_per_round", "own")
-    assert cfg.rollout.beta == (0.0 if arm == "random" else 0.2)
+    assert cfg.rollout.beta == {"random": 0.0, "arpo_max": 1.5}.get(arm, 0.2)
     if arm == "random_strat":
         assert (cfg.rollout.stratum_p, cfg.rollout.alpha) == ({"search/1": 0.6}, 0.41)
     if cls is AepoRollout:
