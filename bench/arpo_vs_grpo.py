@@ -332,7 +332,8 @@ def summarize(rows: list[dict]) -> dict:
     for arm in KNOWN_ARMS:
         mine = [r for r in rows if r["arm"] == arm]
         if mine:
-            out[arm] = {"n": len(mine), **{f: mean_se([r[f] for r in mine]) for f in FIGURES}}
+            out[arm] = {"n": len(mine), **{f: mean_se([r[f] for r in mine]) for f in FIGURES},
+                        "reached_target": sum(bool(r.get("reached_target")) for r in mine)}
     return out
 
 
@@ -482,12 +483,14 @@ def _cell(s: dict, figure: str, digits: int = 3) -> str:
 def report(summary: dict, pairs: dict, sft: dict, null: dict | None, args) -> None:
     print(f"\nheld-out after SFT: pass@1 {sft['pass@1']}, recovery {sft['recovery']:.3f}; RL "
           f"budget {args.tool_calls} executed tool calls per arm; {args.eval_limit} prompts x "
-          f"{args.eval_k}")
-    print(f"{'arm':12} {'pass@1':>15} {'pass@k':>15} {'recovery':>15} {'calls to +5':>13} "
+          f"{args.eval_k}; calls to +5: (seeds that reached it / seeds; the others count "
+          "at their last checkpoint)")
+    print(f"{'arm':12} {'pass@1':>15} {'pass@k':>15} {'recovery':>15} {'calls to +5':>19} "
           f"{'tools/leaf':>15} {'fork rate':>15} {'steps':>7}")
     for arm, s in summary.items():
+        calls = f"{_cell(s, 'calls_to_target', 0)} ({s['reached_target']}/{s['n']})"
         print(f"{arm:12} {_cell(s, 'accuracy'):>15} {_cell(s, 'pass@k'):>15} "
-              f"{_cell(s, 'recovery'):>15} {_cell(s, 'calls_to_target', 0):>13} "
+              f"{_cell(s, 'recovery'):>15} {calls:>19} "
               f"{_cell(s, 'executed_per_leaf'):>15} {_cell(s, 'fork_rate'):>15} "
               f"{s['steps'][0]:>7.1f}")
     for figure, table in pairs.items():
