@@ -164,7 +164,7 @@ def curve_overrides(args) -> dict:
     if not every:
         return {}
     return {"learner.checkpoint_every_tool_calls": every,
-            "learner.keep_checkpoints": args.tool_calls // every + 2}
+            "learner.keep_checkpoints": args.tool_calls // every + 10}  # overshoot: in flight
 
 
 def config_hash(cfg) -> str:
