@@ -54,7 +54,8 @@ records this code (the git trees of the packages and configs, plus a hash of unc
 changes to them) and this arm's config (a hash; ``bench_arm.json``); any other folder is
 run again. ``--run`` is a finished default job, e.g. the recover suite:
 ``python -m arpo_async.launch run.dir=runs/recover pipeline.data_dir=data/recover
-task.data=data/recover/rl.jsonl pipeline.suite_noise=0.4 pipeline.suite_slips=0
+task.data=data/recover/rl.jsonl pipeline.suite_noise=0.4
+"pipeline.suite_noise_note=No exact match." pipeline.suite_slips=0
 pipeline.suite_recover=0.5 pipeline.suite_direct=0 rollout.tool_call_limit=5
 sampling.max_response_tokens=400 run.time_limit_s=60``.
 """
@@ -163,7 +164,7 @@ def curve_overrides(args) -> dict:
     every = getattr(args, "curve_every", 0)
     if not every:
         return {}
-    return {"learner.checkpoint_every_tool_calls": every,
+    return {"learner.checkpoint_every_tool_calls": every, "learner.checkpoint_every": 0,
             "learner.keep_checkpoints": args.tool_calls // every + 10}  # overshoot: in flight
 
 
@@ -247,7 +248,8 @@ def row_from_folder(run_dir: Path, arm: str, seed: int) -> dict:
     k = cfg.pipeline.eval_k
     timing_path = run_dir / "bench_timing.json"
     row = {"arm": arm, "seed": seed, "accuracy": ev["pass@1"], "pass@k": ev.get(f"pass@{k}"),
-           **eval_point(run_dir / "eval", k), "curve": curve(run_dir, k),
+           **eval_point(run_dir / "eval", suite_note(cfg)),
+           "curve": curve(run_dir, k, suite_note(cfg)),
            "tool_calls_per_sample": ev["tool_calls_per_sample"],
            "no_tool_share": ev.get("no_tool_share"), "tool_calls": rl.get("tool_calls"),
            "executed_per_leaf": rl.get("tools_executed_per_leaf_mean"),
@@ -265,18 +267,26 @@ def row_from_folder(run_dir: Path, arm: str, seed: int) -> dict:
     return row
 
 
-def eval_point(folder: Path, k: int) -> dict:
+def suite_note(cfg) -> str:
+    """The note the suite's retriever puts on a wrong reply ('' for a suite without)."""
+    from toolenv.tasks.suite import suite_noise
+
+    return suite_noise(Path(cfg.pipeline.data_dir) / "corpus.jsonl")["noise_note"]
+
+
+def eval_point(folder: Path, note: str) -> dict:
     """An evaluation's figures beyond pass@1: the recovery after a wrong search result
-    (toolenv/tasks/suite.py ``recovery``), from its items."""
+    (toolenv/tasks/suite.py ``recovery``: a noted reply when the suite notes them, else a
+    reply naming another entity), from its items."""
     from toolenv.tasks.suite import recovery
 
     items = [json.loads(line) for line in (folder / "items.jsonl").read_text().splitlines()
              if line.strip()]
-    rec = recovery(items)
+    rec = recovery(items, note)
     return {"recovery": rec["rate"], "recovery_n": rec["n"], "wrong_result_share": rec["share"]}
 
 
-def curve(run_dir: Path, k: int) -> list[dict]:
+def curve(run_dir: Path, k: int, note: str) -> list[dict]:
     """The arm's learning curve: (tool calls trained, pass@1, pass@k, recovery) at each
     evaluated checkpoint, the last one included."""
     from arpo_async.core.rundir import complete_checkpoints
@@ -289,7 +299,7 @@ def curve(run_dir: Path, k: int) -> list[dict]:
             ev = json.loads((folder / "summary.json").read_text())
             points.append({"calls": checkpoint_calls(ckpt), "step": int(ckpt.name[5:]),
                            "pass@1": ev["pass@1"], "pass@k": ev.get(f"pass@{k}"),
-                           "recovery": eval_point(folder, k)["recovery"]})
+                           "recovery": eval_point(folder, note)["recovery"]})
     return points
 
 
@@ -312,7 +322,7 @@ def finished(run_dir: Path, want: dict) -> bool:
 
 
 def mean_se(values: list[float]) -> tuple[float, float]:
-    vals = [float(v) for v in values if v is not None]
+    vals = [float(v) for v in values if v is not None and v == v]  # None and nan left out
     if not vals:
         return float("nan"), float("nan")
     m = sum(vals) / len(vals)
@@ -350,15 +360,18 @@ def paired(rows: list[dict], figure: str = "accuracy") -> dict:
     return out
 
 
-def add_calls_to_target(rows: list[dict], sft_acc: float | None, gain: float) -> None:
+def add_calls_to_target(rows: list[dict], sft_acc: float | None, gain: float,
+                        budget: int) -> None:
     """Each row's executed tool calls to reach the SFT model's pass@1 + ``gain`` (censored
-    at its last checkpoint when not reached: ``reached_target`` false)."""
+    at the budget, or its last checkpoint past it, when not reached: ``reached_target``
+    false)."""
     for row in rows:
         if sft_acc is None or not row.get("curve"):
             row["calls_to_target"], row["reached_target"] = None, None
             continue
         points = [(0.0, sft_acc)] + [(c["calls"], c["pass@1"]) for c in row["curve"]]
-        row["calls_to_target"], row["reached_target"] = calls_to_reach(points, sft_acc + gain)
+        row["calls_to_target"], row["reached_target"] = calls_to_reach(points, sft_acc + gain,
+                                                                       budget)
 
 
 def null_test(base, sft: Path, data_dir: Path, args) -> dict:
@@ -515,7 +528,7 @@ def sft_point(base, args, sft: Path, url: str, out: Path) -> dict:
         run_eval(cfg, str(sft), url, folder)
         done = json.loads(summary.read_text())
     return {"pass@1": done["pass@1"], "pass@k": done.get(f"pass@{args.eval_k}"),
-            **eval_point(folder, args.eval_k)}
+            **eval_point(folder, suite_note(base))}
 
 
 def verdict_line(summary: dict, pairs: dict, seeds: list[int], args) -> str:
@@ -571,7 +584,7 @@ def main() -> int:
         for i, seed in enumerate(seeds):
             run_seed(i, seed, arms, base, args, sft, retriever.url, out, rows,
                      len(seeds) * len(arms), t0)
-    add_calls_to_target(rows, sft_figures["pass@1"], args.target_gain)
+    add_calls_to_target(rows, sft_figures["pass@1"], args.target_gain, args.tool_calls)
     summary = summarize(rows)
     pairs = {f: paired(rows, f) for f in ("accuracy", "recovery", "pass@k")}
     report(summary, pairs, sft_figures, null, args)
@@ -579,7 +592,7 @@ def main() -> int:
     bands = curve_bands(rows, sft_figures["pass@1"], args.curve_every) if args.curve_every else {}
     if bands:
         curve_png = png.with_name(png.stem + "_curve.png")
-        print(f"wrote {plot_curves(bands, sft_figures['pass@1'], curve_png)}")
+        print(f"wrote {plot_curves(bands, sft_figures['pass@1'], args.target_gain, curve_png)}")
     print(f"wrote {png}")
     write_results("arpo_vs_grpo", {"args": vars(args), "endpoints": declared,
                                    "sft": sft_figures, "suite": suite_noise(corpus),

@@ -157,6 +157,8 @@ class LearnerLoop:
             self.state = self.run_state()
             due = (self._due(self.cfg.learner.checkpoint_every)
                    or self._calls_crossed(calls_before))
+            # the tool calls are counted on rank 0 only: every rank writes or none does
+            due = broadcast(due, self.rank, self.world)
             checkpoint_s = self.checkpoint() if due else 0.0
             self.record(groups, stats, train, {
                 "wait_s": wait_s, "step_time_s": time.perf_counter() - t0,
@@ -269,7 +271,7 @@ class LearnerLoop:
 
     def _calls_crossed(self, before: int) -> bool:
         """This step's groups brought the trained tool calls past a multiple of
-        ``learner.checkpoint_every_tool_calls``."""
+        ``learner.checkpoint_every_tool_calls`` (rank 0's count; the caller broadcasts)."""
         every = self.cfg.learner.checkpoint_every_tool_calls
         return bool(every) and self.tool_calls // every > before // every
 

@@ -43,7 +43,9 @@ class ARPOPolicy(GroupPolicy):
         self.planner.record_initial_entropy(tid, h, short)
 
     def observe_tool(self, tid: int, at: int, call: ToolCall, result: ToolResult) -> None:
-        self.calls[tid] = (call.name, self.calls.get(tid, ("", 0))[1] + 1)
+        # a call that could not run (an unknown or malformed name) is its own stratum
+        name = "invalid" if call.error or not call.name else call.name.replace("/", "_")
+        self.calls[tid] = (name, self.calls.get(tid, ("", 0))[1] + 1)
 
     def stratum(self, tid: int) -> str:
         """The stratum of ``tid``'s decision now: its last tool and that call's index."""

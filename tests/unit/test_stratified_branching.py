@@ -82,3 +82,17 @@ def test_the_step_metrics_add_the_strata_up():
     assert m["branch/stratum/search/1/n"] == 3.0
     assert m["branch/stratum/search/1/p_sum"] == pytest.approx(1.7)
     assert m["branch/stratum/python/2/n"] == 1.0
+
+
+def test_a_call_that_could_not_run_is_its_own_stratum_and_names_keep_their_shape():
+    policy = ARPOPolicy(_rollout(mode="arpo", alpha=0.0, beta=0.0), np.random.default_rng(0))
+    (root,) = policy.start()
+    policy.first_round(root, 1.0, False)
+    policy.observe_tool(root, 5, ToolCall("a/b", "x", error="unknown tool"),
+                        ToolResult("", ok=False))
+    policy.tool_round(root, 5, 1.0, False)
+    policy.observe_tool(root, 9, ToolCall("mcp/fetch", "x"), ToolResult("1", ok=True))
+    policy.tool_round(root, 9, 1.0, False)
+    assert set(policy.stats()) >= {"stratum/invalid/1/n", "stratum/mcp_fetch/2/n"}
+    StratifiedRollout(stratum_p={k.split("/", 1)[1].rsplit("/", 1)[0]: 0.5
+                                 for k in policy.stats() if k.startswith("stratum/")})

@@ -41,6 +41,7 @@ def test_calls_to_reach_interpolates_and_censors(verdict):
     curve = [(0, 0.20), (500, 0.22), (1000, 0.28), (1500, 0.30)]
     assert verdict.calls_to_reach(curve, 0.25) == (pytest.approx(750.0), True)
     assert verdict.calls_to_reach(curve, 0.40) == (1500, False)  # censored at the last
+    assert verdict.calls_to_reach(curve, 0.40, 2500) == (2500, False)  # ... or the budget
     assert verdict.calls_to_reach(curve, 0.15) == (0, True)
     bands = verdict.curve_bands([{"arm": "a", "curve": [{"calls": 510, "pass@1": 0.3}]},
                                  {"arm": "a", "curve": [{"calls": 520, "pass@1": 0.4}]}],
@@ -75,6 +76,16 @@ Q = "What is the population of Vel Bira plus the population of Kos Havi?"
 def _resp(*titles: str) -> str:
     return "".join(f"<search>q</search>\n<result>\nDoc 1(Title: {t}) {t} is a city.\n</result>\n"
                    for t in titles) + "<answer>\\boxed{1}</answer>"
+
+
+def test_a_search_without_a_document_is_a_wrong_result_and_results_do_not_merge():
+    empty = "<search>q</search>\n<result>\nNo search results found.\n</result>\n"
+    assert wrong_search_results(Q, empty + _resp("Vel Bira")) == (2, 1)
+    noted = _resp("Vel Bira").replace(") Vel", ") No exact match. Vel")
+    # with the suite's note, only a noted reply counts as wrong (a miscopied query's
+    # reply names another entity but says nothing)
+    assert wrong_search_results(Q, noted + _resp("Tano Kos"), "No exact match.") == (2, 1)
+    assert wrong_search_results(Q, noted + _resp("Tano Kos")) == (2, 1)
 
 
 def test_recovery_counts_samples_that_met_a_wrong_search_result():

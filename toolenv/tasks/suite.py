@@ -347,28 +347,34 @@ def make_tasks(spec: SuiteSpec, split: str, n: int | None = None) -> list[Task]:
 # ----------------------------------------------------------------------------- outcomes
 
 _ASKED = re.compile(r"(?:of|by) ([A-Z][a-z]+ [A-Z][a-z]+)")
-_RESULT_TITLE = re.compile(r"<search>.*?</search>\s*<result>\s*Doc 1\(Title: ([^)]*)\)", re.S)
+_SEARCH_RESULT = re.compile(r"</search>\s*<result>(.*?)</result>", re.S)
+_TITLE = re.compile(r"\s*Doc 1\(Title: ([^)]*)\)")
 
 
-def wrong_search_results(question: str, response: str) -> tuple[int, int]:
-    """(search results, wrong ones) in one response to a suite question: a result is wrong
-    when its first document names none of the entities the question asks about (the noisy
-    retriever's reply to a clean query, or the reply to a query the model miscopied)."""
+def wrong_search_results(question: str, response: str, note: str = "") -> tuple[int, int]:
+    """(search results, wrong ones) in one response to a suite question. With ``note``
+    (the suite's ``search_noise_note``) a result is wrong when it carries the note: a wrong
+    reply the model can see. Without, when its first document names none of the entities
+    the question asks about (or there is none): the noisy retriever's reply to a clean
+    query, or the reply to a query the model miscopied."""
     asked = set(_ASKED.findall(question))
-    titles = _RESULT_TITLE.findall(response)
-    return len(titles), sum(1 for t in titles if t.strip() not in asked)
+    bodies = _SEARCH_RESULT.findall(response)
+    if note:
+        return len(bodies), sum(1 for b in bodies if note in b)
+    titles = [m.group(1).strip() if (m := _TITLE.match(b)) else "" for b in bodies]
+    return len(bodies), sum(1 for t in titles if t not in asked)
 
 
-def recovery(items: list[dict]) -> dict:
+def recovery(items: list[dict], note: str = "") -> dict:
     """How an evaluation's samples fared after a wrong search result (``items.jsonl`` rows
-    of arpo_async/jobs/evaluate.py): ``rate`` the share of the samples that met one and
-    still scored, of ``n`` such samples; ``share`` = n / all samples; ``pass_clean`` the
-    pass rate of the samples that met none."""
+    of arpo_async/jobs/evaluate.py; ``note``: as ``wrong_search_results``): ``rate`` the
+    share of the samples that met one and still scored, of ``n`` such samples; ``share`` =
+    n / all samples; ``pass_clean`` the pass rate of the samples that met none."""
     hit = clean = n = total = 0
     for item in items:
         for response, score in zip(item.get("responses", []), item.get("scores", [])):
             total += 1
-            _, wrong = wrong_search_results(item["question"], response)
+            _, wrong = wrong_search_results(item["question"], response, note)
             if wrong:
                 n += 1
                 hit += score > 0
