@@ -433,6 +433,9 @@ def parse_args() -> argparse.Namespace:
                     "last only)")
     ap.add_argument("--target-gain", type=float, default=0.05,
                     help="the curve's target: the SFT model's pass@1 plus this")
+    ap.add_argument("--report-only", action="store_true",
+                    help="run nothing: the tables and the RESULT line of the arms finished "
+                    "under --out so far (a verdict that spans sessions)")
     ap.add_argument("--redeclare", action="store_true",
                     help="replace OUT/endpoints.json (another design for the same --out)")
     ap.add_argument("--max-s", type=float, default=900.0,
@@ -459,12 +462,17 @@ def run_seed(i: int, seed: int, arms: list[str], base, args, sft: Path, url: str
     alpha = strata = None
     for arm in order:
         run_dir = out / f"{arm}-seed{seed}"
+        if args.report_only and arm in MATCHED and alpha is None:
+            print(f"    seed {seed} {arm}: its arpo run is not finished", flush=True)
+            continue
         cfg = arm_config(base, arm, seed, args, out, alpha, strata)
         want = {"code": code_version(), "config_sha": config_hash(cfg)}
         if finished(run_dir, want):
             row = row_from_folder(run_dir, arm, seed)
             print(f"[{len(rows) + 1}/{total}] seed {seed} {arm}: finished before, kept",
                   flush=True)
+        elif args.report_only:
+            continue
         else:
             print(f"[{len(rows) + 1}/{total}] seed {seed} {arm} ({time.time() - t0:.0f} s so "
                   "far)", flush=True)
@@ -497,7 +505,7 @@ def report(summary: dict, pairs: dict, sft: dict, null: dict | None, args) -> No
     print(f"\nheld-out after SFT: pass@1 {sft['pass@1']}, recovery {sft['recovery']:.3f}; RL "
           f"budget {args.tool_calls} executed tool calls per arm; {args.eval_limit} prompts x "
           f"{args.eval_k}; calls to +5: (seeds that reached it / seeds; the others count "
-          "at their last checkpoint)")
+          "at the budget)")
     print(f"{'arm':12} {'pass@1':>15} {'pass@k':>15} {'recovery':>15} {'calls to +5':>19} "
           f"{'tools/leaf':>15} {'fork rate':>15} {'steps':>7}")
     for arm, s in summary.items():
@@ -540,10 +548,11 @@ def verdict_line(summary: dict, pairs: dict, seeds: list[int], args) -> str:
     calls = {a: summary.get(a, {}).get("calls_to_target", (float("nan"),))[0]
              for a in ("arpo", "grpo")}
     q = calls["arpo"] / calls["grpo"] if calls["grpo"] else float("nan")
+    n = len(acc.get("arpo-random", acc.get("arpo-grpo", {})).get("seeds", []))  # finished
     met = "met" if x >= 2 * se else "missed"  # nan compares false: missed
     return (f"RESULT arpo_vs_grpo arpo_minus_random={x:+.4f} arpo_minus_grpo={y:+.4f} "
             f"se={se:.4f} recovery_arpo_minus_grpo={r:+.4f} calls_to_sft_plus5_ratio={q:.3f} "
-            f"seeds={len(seeds)} budget={args.tool_calls} target=arpo_minus_random>=2se {met}")
+            f"seeds={n} budget={args.tool_calls} target=arpo_minus_random>=2se {met}")
 
 
 def main() -> int:
