@@ -322,14 +322,9 @@ def finished(run_dir: Path, want: dict) -> bool:
 
 
 def mean_se(values: list[float]) -> tuple[float, float]:
-    vals = [float(v) for v in values if v is not None and v == v]  # None and nan left out
-    if not vals:
-        return float("nan"), float("nan")
-    m = sum(vals) / len(vals)
-    if len(vals) < 2:
-        return m, float("nan")
-    var = sum((v - m) ** 2 for v in vals) / (len(vals) - 1)
-    return m, math.sqrt(var / len(vals))
+    """(mean, standard error), None and nan left out (bench/verdict.py ``mean_ci``)."""
+    ci = mean_ci(values)
+    return ci["mean"], ci["se"]
 
 
 FIGURES = ("accuracy", "pass@k", "recovery", "wrong_result_share", "tool_calls", "rl_wall_s",
@@ -539,7 +534,7 @@ def sft_point(base, args, sft: Path, url: str, out: Path) -> dict:
             **eval_point(folder, suite_note(base))}
 
 
-def verdict_line(summary: dict, pairs: dict, seeds: list[int], args) -> str:
+def verdict_line(summary: dict, pairs: dict, args) -> str:
     acc, rec = pairs["accuracy"], pairs["recovery"]
     x = acc.get("arpo-random", {}).get("mean", float("nan"))
     se = acc.get("arpo-random", {}).get("se", float("nan"))
@@ -608,7 +603,7 @@ def main() -> int:
                                    "rows": rows, "summary": summary, "paired": pairs,
                                    "curves": bands, "null_test": null,
                                    "wall_s": round(time.time() - t0, 1)}, args.results)
-    print(verdict_line(summary, pairs, seeds, args))
+    print(verdict_line(summary, pairs, args))
     return 0
 
 
