@@ -3,36 +3,28 @@ result enters the token stream, and how a finished response is checked.
 
 - ``ArpoSyntax``: ARPO's tags (toolenv/tags.py): ``<python>code</python>``, results as
   ``<result>...</result>`` token ids, one tag per configured tool.
-- ``HermesSyntax``: the format Qwen2.5/Qwen3 and most instruct models are trained on: a
-  call is ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; the result is the
-  chat template's ``tool`` message, and the tool schemas reach the prompt through the
-  template's ``tools=`` argument.
+- ``HermesSyntax`` (toolenv/hermes.py): ``<tool_call>{"name": ..., "arguments": {...}}
+  </tool_call>``, results as the chat template's ``tool`` message.
+- ``VllmParserSyntax`` (toolenv/vllm_syntax.py): a model family's own format read by
+  vLLM's parser (``tools.syntax`` = its name, or ``auto``), results as the family's
+  template renders them.
 
-The Hermes result turn, token in token out: the template renders a conversation whose
-assistant message holds a sentinel, then the tool message, then the generation prompt;
-the text after the sentinel (the end of the assistant turn, the tool message, the next
-assistant header) is the result, tokenised on its own. That is the same as the
-template's own tokenisation of those turns only when the text starts at a token boundary
-(ChatML and Qwen start it with ``<|im_end|>``, a special token); this is checked when the
-syntax is built, so a template for which it fails is refused rather than misaligned.
-The history is never re-tokenised.
-
-Deliberate simplifications: a round stops at the first ``</tool_call>``, so each round
-makes one call (ARPO decides about branching after every result); a model that writes
-several calls in one turn gets the first. The final answer is ``<answer>...\\boxed{}
-</answer>`` in both syntaxes, so rewards and evaluation read both the same way.
+Deliberate simplifications: a round stops at the first end of call, so each round makes
+one call (ARPO decides about branching after every result). The final answer is
+``<answer>...\\boxed{}</answer>`` in every syntax, so rewards and evaluation read them all
+the same way.
 """
 
 from __future__ import annotations
 
-import json
-import re
+import logging
 from collections.abc import Iterable
 from typing import Any, Protocol
 
 from toolenv.base import ToolSpec
-from toolenv.mcp_tools import mcp_specs
 from toolenv.builtin import builtin_class
+from toolenv.hermes import CALL_CLOSE, CALL_OPEN, HermesSyntax, _Checks
+from toolenv.mcp_tools import mcp_specs
 from toolenv.tags import (
     DEFAULT_TOOLS,
     Markup,
@@ -40,29 +32,20 @@ from toolenv.tags import (
     arpo_markup,
     control_texts,
     defuse,
-    defuse_json,
     find_tool_call,
     format_result,
     stop_tags,
-    tools_used,
-    validate_format,
 )
 from toolenv.tool_classes import load_tool_class
 
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-_SENTINEL = "\u2063ARPO-SENTINEL\u2063"  # text no model or tool writes
-_CLOSING_TAG = re.compile(r"</[A-Za-z_][A-Za-z0-9_-]*>")
-# The tools block of Qwen2.5/Qwen3's chat template, for templates that ignore tools=.
-_TOOLS_INTRO = ("\n\n# Tools\n\nYou may call one or more functions to assist with the user "
-                "query.\n\nYou are provided with function signatures within <tools></tools> "
-                "XML tags:\n<tools>")
-_TOOLS_OUTRO = ("\n</tools>\n\nFor each function call, return a json object with function "
-                "name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-                '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+__all__ = ["CALL_CLOSE", "CALL_OPEN", "ArpoSyntax", "HermesSyntax", "ToolSyntax",
+           "build_syntax", "tool_specs"]
+log = logging.getLogger(__name__)
 
 
 class ToolSyntax(Protocol):
-    name: str  # "arpo" | "hermes"
+    name: str  # "arpo" | "hermes" | a vLLM parser's name (toolenv/vllm_syntax.py)
+    templated: bool  # calls and results through the chat template (all but arpo)
     markup: Markup  # the opaque blocks (pure data: rewards take this, not the syntax)
     stop_strings: list[str]  # where a round stops (tool-call ends and </answer>)
 
@@ -79,21 +62,11 @@ class ToolSyntax(Protocol):
     template_kwargs: dict  # extra chat-template arguments (model.chat_template_kwargs)
 
 
-class _Checks:
-    markup: Markup
-    template_kwargs: dict
-
-    def validate_format(self, text: str) -> tuple[bool, str]:
-        return validate_format(text, markup=self.markup)
-
-    def tools_used(self, text: str) -> set[str]:
-        return tools_used(text, markup=self.markup)
-
-
 class ArpoSyntax(_Checks):
     """ARPO's tags; a custom tool's tag is its name."""
 
     name = "arpo"
+    templated = False
 
     def __init__(self, specs: Iterable[ToolSpec], tokenizer: Any = None,
                  template_kwargs: dict | None = None):
@@ -131,148 +104,6 @@ class ArpoSyntax(_Checks):
         return (f"{system}\n{lines}" if system else lines), None
 
 
-class HermesSyntax(_Checks):
-    """JSON calls in ``<tool_call>``, results as the chat template's tool message."""
-
-    name = "hermes"
-
-    def __init__(self, specs: Iterable[ToolSpec], tokenizer: Any,
-                 template_kwargs: dict | None = None):
-        self.specs = {s.name: s for s in specs}
-        self.tokenizer = tokenizer
-        self.template_kwargs = dict(template_kwargs or {})
-        self.stop_strings = [CALL_CLOSE, "</answer>"]
-        self.literals = self._dangerous()
-        pre, post = self._result_frame()
-        self.markup = Markup(calls=(("tool_call", CALL_OPEN, CALL_CLOSE),), result=(pre, post),
-                             tools=tuple(self.specs), json_calls=True,
-                             result_label=("<tool message>", "<end of tool message>"))
-        self.template_renders_tools = self._renders_tools()
-
-    # ------------------------------------------------------------------ the template
-    def _render(self, messages: list[dict], tools: list[dict] | None = None,
-                generation: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=generation,
-            **self.template_kwargs)
-
-    def _turn(self, content: str) -> str:
-        """The template's text after the assistant's content: end of turn, the tool
-        message holding ``content``, the next assistant header."""
-        text = self._render([{"role": "user", "content": "?"},
-                             {"role": "assistant", "content": _SENTINEL},
-                             {"role": "tool", "content": content}], generation=True)
-        at = text.find(_SENTINEL)
-        if at < 0:
-            raise ValueError("tools.syntax=hermes: the chat template drops the assistant "
-                             "message's content")
-        return text[at + len(_SENTINEL):]
-
-    def _result_frame(self) -> tuple[str, str]:
-        turn = self._turn(_SENTINEL)
-        at = turn.find(_SENTINEL)
-        if at < 0:
-            raise ValueError("tools.syntax=hermes: the chat template does not render the "
-                             "tool message's content (no tool role?)")
-        pre, post = turn[:at], turn[at + len(_SENTINEL):]
-        whole = self.tokenizer.encode(self._render([{"role": "user", "content": "?"},
-                                                    {"role": "assistant", "content": "x"},
-                                                    {"role": "tool", "content": "1"}],
-                                                   generation=True), add_special_tokens=False)
-        alone = self.tokenizer.encode(self._turn("1"), add_special_tokens=False)
-        if not pre.strip() or whole[len(whole) - len(alone):] != alone:
-            raise ValueError(f"tools.syntax=hermes: the chat template's tool turn {pre!r} does "
-                             "not start at a token boundary (a special token such as "
-                             "<|im_end|>), so its ids alone differ from the template's")
-        return pre, post
-
-    def _dangerous(self) -> tuple[str, ...]:
-        """Texts untrusted text must not contain (tags.defuse): the tokenizer's special and
-        added tokens, closing tags of the template's tool turn (they would end the result
-        early), and ``</result>``: SFT traces keep outputs in ARPO's blocks, where it is
-        already defused, so the rollout defuses it too and both insert the same ids."""
-        found = set(control_texts(self.tokenizer)) | {"</result>"}
-        found |= set(_CLOSING_TAG.findall(self._turn(_SENTINEL).split(_SENTINEL)[-1]))
-        return tuple(sorted(found, key=lambda t: (-len(t), t)))
-
-    def _renders_tools(self) -> bool:
-        messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
-        tools = [s.chat_tool() for s in self.specs.values()]
-        return bool(tools) and self._render(messages, tools) != self._render(messages)
-
-    # ------------------------------------------------------------------ the protocol
-    def result_text(self, text: str) -> str:
-        """The template's text from the end of the assistant's call to the next assistant
-        header, around the tool's output (control tokens in the output defused, as
-        arpo's ``</ result>``: printed text cannot end the turn or forge one)."""
-        return self._turn(defuse(text, self.literals))
-
-    def result_ids(self, text: str) -> list[int]:
-        return self.tokenizer.encode(self.result_text(text), add_special_tokens=False)
-
-    def call_text(self, name: str, args: str) -> str:
-        spec = self.specs[name]
-        props = list(spec.parameters.get("properties", {}))
-        arguments = {props[0]: args} if len(props) == 1 else json.loads(args)
-        body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
-        return f"{CALL_OPEN}\n{body}\n{CALL_CLOSE}"
-
-    def prompt(self, system: str | None) -> tuple[str | None, list[dict] | None]:
-        """(system prompt, ``tools=`` for the template). A template that ignores
-        ``tools=`` (the tiny model's ChatML) gets Qwen's tools block in the system prompt.
-        The schemas' text (an MCP server's) is defused, as a result is."""
-        tools = [defuse_json(s.chat_tool(), self.literals) for s in self.specs.values()]
-        if not tools or self.template_renders_tools:
-            return system, tools or None
-        block = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
-        return (system or "") + _TOOLS_INTRO + block + _TOOLS_OUTRO, None
-
-    def find_call(self, round_text: str) -> ToolCall | None:
-        """The JSON call that ended the round; a call that cannot run carries ``error``
-        (what the model is told, as a serving stack's tool executor would say)."""
-        text = round_text.rstrip()
-        if not text.endswith(CALL_CLOSE):
-            return None
-        start = text.rfind(CALL_OPEN, 0, len(text) - len(CALL_CLOSE))
-        if start < 0:
-            return None
-        body = text[start + len(CALL_OPEN):len(text) - len(CALL_CLOSE)].strip()
-        try:
-            obj = json.loads(body)
-        except ValueError as exc:
-            return ToolCall("", body, f"Error: the tool call is not valid JSON ({exc}); "
-                            'write {"name": ..., "arguments": {...}}')
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return ToolCall("", body, 'Error: a tool call is {"name": ..., "arguments": {...}}')
-        name, arguments = obj["name"], obj.get("arguments", {})
-        spec = self.specs.get(name)
-        if spec is None:
-            known = ", ".join(self.specs) or "none"
-            return ToolCall(name, body, f"Error: unknown tool {name!r} (available: {known})")
-        try:
-            problem = _argument_problem(spec, arguments)
-        except Exception as exc:  # a schema jsonschema cannot use: the call fails, not the rollout
-            first = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
-            return ToolCall(name, body, f"Error: the schema of {name} cannot be checked ({first})")
-        if problem:
-            return ToolCall(name, body, f"Error: invalid arguments for {name}: {problem}")
-        return ToolCall(name, spec.call_text(arguments))
-
-
-def _argument_problem(spec: ToolSpec, arguments: Any) -> str:
-    if not isinstance(arguments, dict):
-        return f"arguments must be a JSON object, got {type(arguments).__name__}"
-    import jsonschema  # jsonschema: heavy (about 0.5 s), for hermes calls only
-
-    error = jsonschema.exceptions.best_match(
-        jsonschema.validators.validator_for(spec.parameters)(spec.parameters)
-        .iter_errors(arguments))
-    if error is None:
-        return ""
-    where = "/".join(str(p) for p in error.absolute_path)
-    return f"{where}: {error.message}" if where else error.message
-
-
 def tool_specs(cfg: Any) -> list[ToolSpec]:
     """What the model is told about the configured tools (``tools.enabled``, then
     ``tools.custom``, read from their classes: nothing is constructed; then the ``tools.mcp``
@@ -285,11 +116,20 @@ def tool_specs(cfg: Any) -> list[ToolSpec]:
     return specs
 
 
-def build_syntax(cfg: Any, tokenizer: Any,
-                 template_kwargs: dict | None = None) -> ArpoSyntax | HermesSyntax:
+def build_syntax(cfg: Any, tokenizer: Any, template_kwargs: dict | None = None) -> Any:
     """The syntax ``cfg.syntax`` (a ``ToolsConfig``) names, over the configured tools;
-    ``template_kwargs`` go to every chat-template rendering (prompts and tool turns)."""
+    ``template_kwargs`` go to every chat-template rendering (prompts and tool turns).
+    ``auto`` and a vLLM parser's name: toolenv/vllm_syntax.py (imports vLLM)."""
     specs = tool_specs(cfg)
-    if cfg.syntax == "hermes":
-        return HermesSyntax(specs, tokenizer, template_kwargs)
-    return ArpoSyntax(specs, tokenizer, template_kwargs)
+    if cfg.syntax == "arpo":
+        return ArpoSyntax(specs, tokenizer, template_kwargs)
+    name = cfg.syntax
+    if name != "hermes":
+        from toolenv.vllm_syntax import VllmParserSyntax, detect_parser
+
+        name = detect_parser(tokenizer) if name == "auto" else name
+        if cfg.syntax == "auto":
+            log.info("tools.syntax=auto: %s (read from the chat template)", name)
+        if name != "hermes":
+            return VllmParserSyntax(specs, tokenizer, name, template_kwargs)
+    return HermesSyntax(specs, tokenizer, template_kwargs)
