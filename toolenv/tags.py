@@ -54,14 +54,17 @@ class Markup:
     """The opaque blocks of one tool-call syntax: calls and results (bodies are content).
 
     ``calls``: (kind, open, close) per call block; ``result``: (open, close) of a tool
-    result; ``json_calls``: the call body is ``{"name": ..., "arguments": ...}`` (the
-    tool's name is in the body, not the tag); ``tools``: the configured tool names.
+    result; ``json_calls``: the tool's name is in the call's body, not its tag: the body is
+    ``{"name": ..., "arguments": ...}``, or, with ``name_regex``, the name is that
+    pattern's first group in the body (a family's own format: toolenv/vllm_syntax.py);
+    ``tools``: the configured tool names.
     """
 
     calls: tuple[tuple[str, str, str], ...]
     result: tuple[str, str]
     tools: tuple[str, ...]
     json_calls: bool = False
+    name_regex: str = ""
     result_label: tuple[str, str] = ("<result>", "</result>")  # how errors name the result
 
 
@@ -265,7 +268,11 @@ def tools_used(text: str, tools: Iterable[str] | None = None,
     calls = [b for b in blocks if b.tag in kinds]
     if not markup.json_calls:
         return {b.tag for b in calls}
-    names = {json_call_name(b.body) for b in calls}
+    if markup.name_regex:
+        found = (re.search(markup.name_regex, b.body) for b in calls)
+        names = {m.group(1) for m in found if m}
+    else:
+        names = {json_call_name(b.body) for b in calls}
     return names & set(markup.tools)
 
 

@@ -185,7 +185,7 @@ class PathStepper:
             else:
                 result = await self.tools.call(call.name, call.args)
         inserted = self.syntax.result_text(result.text)
-        if self.syntax.name == "arpo":  # the template's tool turn (hermes) is inserted whole
+        if not self.syntax.templated:  # a template's tool turn is inserted whole
             inserted = after_overhang(path.overhang, inserted)
         ids = self.tokenizer.encode(inserted, add_special_tokens=False)
         path.tokens += ids

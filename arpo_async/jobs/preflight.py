@@ -71,7 +71,26 @@ def prepare_run(cfg: Config, dry_run: bool = False) -> None:
             cfg.model.path = resolve_model_path(cfg)
         except (FileNotFoundError, ValueError, OSError) as exc:
             raise ConfigError(str(exc).splitlines()[0]) from None
+    resolve_syntax(cfg)
     check_lengths(cfg)  # a dry run checks them too when the model folder is there
+
+
+def resolve_syntax(cfg: Config) -> None:
+    """``tools.syntax=auto``: the parser the model's chat template calls for, written into
+    the config (so RUN_DIR/config.yaml and every role say which) and printed; left for
+    each role to read when the model folder is not here (a hub name)."""
+    if cfg.tools.syntax != "auto" or not (Path(cfg.model.path) / "config.json").is_file():
+        return
+    from transformers import AutoTokenizer
+
+    from toolenv.vllm_syntax import SyntaxConfigError, detect_parser
+
+    try:
+        cfg.tools.syntax = detect_parser(AutoTokenizer.from_pretrained(cfg.model.path))
+    except SyntaxConfigError as exc:
+        raise ConfigError(str(exc)) from None
+    print(f"tools.syntax=auto: {cfg.tools.syntax} (read from {cfg.model.path}'s chat "
+          "template)", flush=True)
 
 
 def check_lengths(cfg: Config, tokenizer=None) -> LengthReport | None:

@@ -73,7 +73,7 @@ def _segment_ids(tokenizer: Any, role: str, text: str, syntax: Any) -> list[int]
     are defused as the rollout defuses them (toolenv.tags.defuse)."""
     if role == "tool":
         return syntax.result_ids(unwrap_result(text))
-    if syntax.name == "arpo":
+    if not syntax.templated:
         return tokenizer.encode(text, add_special_tokens=False)
     call = find_tool_call(text)
     if call is not None:

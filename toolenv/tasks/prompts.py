@@ -154,7 +154,7 @@ def encode_prompt(tokenizer, system: str | None, question: str, syntax=None) -> 
     tools, extra = None, {}
     if syntax is not None:
         extra = syntax.template_kwargs
-        if syntax.name == "hermes" and system == _suite_system():
+        if syntax.templated and system == _suite_system():
             system = HERMES_SUITE_SYSTEM
         system, tools = syntax.prompt(system)
     messages = [{"role": "system", "content": system}] if system else []

@@ -177,8 +177,9 @@ class Config(_Section):
                              f"{self.sampling.logprobs_topk}")
         if ro.initial_samples > ro.group_size:
             raise ValueError("rollout.initial_samples must be <= rollout.group_size")
-        if self.tools.syntax == "hermes" and self.actors.engine.type == "simulated":
-            raise ValueError("tools.syntax=hermes: the simulated engine writes ARPO tags only "
+        if self.tools.syntax != "arpo" and self.actors.engine.type == "simulated":
+            raise ValueError(f"tools.syntax={self.tools.syntax}: the simulated engine writes "
+                             "ARPO tags only "
                              "(actors.engine=simulated); use tools.syntax=arpo with it")
         if self.actors.update_mode == "keep" and self.actors.engine.type != "vllm":
             raise ValueError("actors.update_mode=keep freezes requests with their KV cache "

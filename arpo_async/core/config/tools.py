@@ -137,10 +137,13 @@ class ToolsConfig(_Section):
     custom: list[str] = Field(
         default_factory=list, description="your own tools, offered too: module:Class import "
         "paths of classes following the tool protocol (toolenv/base.py, docs/tools.md)")
-    syntax: Literal["arpo", "hermes"] = Field(
+    syntax: Literal["arpo", "hermes", "auto", "qwen3_coder", "qwen3_xml", "glm45", "glm47",
+                    "deepseek_v31"] = Field(
         "arpo", description="tool-call format: arpo tags (<python>code</python>, results in "
-        "<result>), or hermes (<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>, "
-        "results as the chat template's tool message, schemas via its tools= argument)")
+        "<result>); hermes (<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>, "
+        "results as the chat template's tool message, schemas via its tools= argument); a "
+        "vLLM tool parser's name (the model family's own format, results and schemas through "
+        "its chat template: toolenv/vllm_syntax.py); or auto (read from the chat template)")
     cache_dir: str = Field(
         "", description="shared tool-result cache folder ('' = run_dir/tool_cache)")
     cache_ttl_s: float = Field(0.0, description="tool cache entry lifetime (0: forever)")
