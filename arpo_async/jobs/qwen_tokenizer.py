@@ -68,15 +68,3 @@ def export_qwen3_tokenizer(out_dir: str | Path) -> Path:
             raise TokenizerFilesError(f"{src / name}: missing")
         (out / name).write_bytes((src / name).read_bytes().replace(b"\r\n", b"\n"))
     return out
-
-
-def resolve_tokenizer_dir(name: str, scratch: Path) -> Path:
-    """A tokenizer folder for ``model.tiny_tokenizer``: ``qwen3`` is exported into
-    ``scratch``; anything else is a folder that must exist."""
-    if name == QWEN3_NAME:
-        return export_qwen3_tokenizer(scratch)
-    path = Path(name)
-    if not path.is_dir():
-        raise FileNotFoundError(f"model.tiny_tokenizer: {path} is not a tokenizer folder "
-                                f"(or use '{QWEN3_NAME}')")
-    return path

