@@ -27,6 +27,48 @@ class Law:
     def ids(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)
 
+    def unique_ids(self, text: str, avoid: set[int] = frozenset()) -> list[int]:
+        """``text`` as tokens a first-order law can write: each token, where it repeats (in
+        ``text`` or among the tokens scripted already), has the same successor; the last
+        one needs none. Not the canonical tokenisation where that breaks the rule (an XML
+        call's ``<``, ``=`` and newlines), but ids that decode to the same text, as an
+        engine may emit them. Longest pieces first, backtracking; ``avoid``: never used."""
+        pieces = self._pieces()
+        longest = max(map(len, pieces))
+        fixed = {t: next(iter(s)) for t, s in self.table.items() if len(s) == 1}
+        choice = {t for t, s in self.table.items() if len(s) > 1} | set(avoid)
+        budget = [200_000]
+
+        def walk(i: int, seq: list[int], succ: dict[int, int]) -> list[int] | None:
+            if i == len(text):
+                return seq
+            for j in range(min(len(text), i + longest), i, -1):
+                tid = pieces.get(text[i:j])
+                budget[0] -= 1
+                if tid is None or tid in choice or budget[0] < 0:
+                    continue
+                if seq and succ.get(seq[-1], tid) != tid:
+                    continue
+                found = walk(j, seq + [tid], {**succ, **({seq[-1]: tid} if seq else {})})
+                if found is not None:
+                    return found
+            return None
+
+        found = walk(0, [], fixed)
+        assert found is not None and self.tok.decode(found) == text, text
+        return found
+
+    def _pieces(self) -> dict[str, int]:
+        """Each token's text -> its id (the first id, for texts several ids decode to;
+        byte fragments of a character left out)."""
+        if not hasattr(self, "_piece_map"):
+            texts = self.tok.batch_decode([[i] for i in range(len(self.tok))])
+            self._piece_map = {}
+            for i, t in enumerate(texts):
+                if t and "\ufffd" not in t:
+                    self._piece_map.setdefault(t, i)
+        return self._piece_map
+
     def chain(self, seq: list[int]) -> None:
         """Each token of ``seq`` is followed by the next one (one successor each)."""
         for a, b in zip(seq, seq[1:]):
