@@ -117,6 +117,7 @@ def test_a_run_folder_of_the_old_code_names_every_old_key(tmp_path):
 
 
 @pytest.mark.parametrize("path", [DEFAULT_CONFIG, SPINE_CONFIG, CONFIG_DIR / "qwen3_tokenizer.yaml",
+                                  CONFIG_DIR / "qwen35_xml.yaml",
                                   *sorted((CONFIG_DIR / "presets").glob("*.yaml"))])
 def test_a_config_written_by_this_code_loads_back(path, tmp_path):
     cfg = load_config(path)
