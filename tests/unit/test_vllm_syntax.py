@@ -155,9 +155,9 @@ def test_the_eval_counter_is_calibrated():
 @pytest.mark.parametrize("family", list(ft.FAMILIES))
 def test_fuzz_no_crash_no_eval_every_refusal_counted(tokenizers, family):
     syn = VllmParserSyntax(SPECS, tokenizers[family], ft.FAMILIES[family].parser, {})
-    out = fuzz(syn, 1500, seed=1)
+    out = fuzz(syn, 400, seed=1)  # the volume is bench/parsers.py's (100,000 per family)
     assert (out["crashes"], out["evals"]) == (0, 0), out
-    assert out["invalid"] > 500 and sum(out["reasons"].values()) <= out["invalid"]
+    assert out["invalid"] > 150 and sum(out["reasons"].values()) <= out["invalid"]
     assert out["invalid"] + out["valid_calls"] + out["no_call"] == out["rounds"]
 
 
