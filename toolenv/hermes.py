@@ -170,7 +170,12 @@ class HermesSyntax(_Checks):
                             'write {"name": ..., "arguments": {...}}')
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return ToolCall("", body, 'Error: a tool call is {"name": ..., "arguments": {...}}')
-        name, arguments = obj["name"], obj.get("arguments", {})
+        return self._checked(obj["name"], obj.get("arguments", {}), body)
+
+    def _checked(self, name: str, arguments: Any, body: str) -> ToolCall:
+        """The call to ``name`` with ``arguments`` (parsed), or an error naming what is
+        wrong: an unknown tool, arguments the tool's schema rejects, a schema that cannot
+        be checked."""
         spec = self.specs.get(name)
         if spec is None:
             known = ", ".join(self.specs) or "none"

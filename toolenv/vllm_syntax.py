@@ -37,7 +37,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from toolenv.base import ToolSpec
-from toolenv.hermes import _SENTINEL, HermesSyntax, _argument_problem
+from toolenv.hermes import _SENTINEL, HermesSyntax
 from toolenv.tags import Markup, ToolCall, defuse, defuse_json
 
 MAX_CALL_CHARS = 65_536  # a longer call is refused unread (seconds of parsing at 200k)
@@ -229,19 +229,13 @@ class VllmParserSyntax(HermesSyntax):
                             "the tools block shows")
         if len(calls) > 1:
             return ToolCall("", body, "Error: one tool call per turn")
-        return self._checked(calls[0].function.name or "", calls[0].function.arguments, body)
+        return self._checked_text(calls[0].function.name or "", calls[0].function.arguments,
+                                  body)
 
-    def _checked(self, name: str, arguments: str, body: str) -> ToolCall:
-        spec = self.specs.get(name)
-        if spec is None:
-            known = ", ".join(self.specs)
-            return ToolCall(name, body, f"Error: unknown tool {name[:80]!r} (available: {known})")
+    def _checked_text(self, name: str, arguments: str, body: str) -> ToolCall:
+        """The parser's arguments (JSON text) through HermesSyntax's checks."""
         try:
             args = json.loads(arguments or "{}")
-            problem = _argument_problem(spec, args)
-        except Exception as exc:  # unreadable arguments, or a schema jsonschema cannot use
-            first = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
-            return ToolCall(name, body, f"Error: invalid arguments for {name}: {first}")
-        if problem:
-            return ToolCall(name, body, f"Error: invalid arguments for {name}: {problem}")
-        return ToolCall(name, spec.call_text(args))
+        except ValueError as exc:
+            return ToolCall(name, body, f"Error: invalid arguments for {name}: {exc}")
+        return self._checked(name, args, body)

