@@ -16,6 +16,15 @@ carry these digests) before it is copied out:
   (``<｜tool▁call▁begin｜>name<｜tool▁sep｜>{json}``), parser ``deepseek_v31``; its
   template has no tools block (the syntax writes one into the system prompt).
 
+One published file is not used as published: DeepSeek's ``tokenizer_config.json`` names
+``LlamaTokenizerFast`` over a byte-level BPE ``tokenizer.json``, and transformers 5 then
+installs a SentencePiece pre-tokenizer and decoder that drop every space and newline, at
+encode time too (transformers #45488, open; it picks the right class only when the folder's
+``config.json`` says ``model_type: deepseek_v3``, which a tiny body around the tokenizer
+does not). The exported copy names ``TokenizersBackend`` (the file as written), after the
+published bytes are checked. ``round_trip_problem`` is the check that catches this in any
+model folder (arpo_async/jobs/preflight.py refuses a model whose tokenizer fails it).
+
 ``export_family(NAME, DIR)`` writes the checked copy; ``python -m arpo_async.jobs.tiny_model
 OUT --tokenizer NAME`` builds a tiny random body around it.
 """
@@ -24,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +55,7 @@ class Family:
     source: str  # the published repository and revision these digests are from
     parser: str  # the vLLM tool parser (tools.syntax)
     sha256: dict[str, str] = field(default_factory=dict)  # file -> published digest
+    tokenizer_class: str = ""  # written over the published tokenizer_config's, when set
 
 
 FAMILIES = {
@@ -63,8 +74,19 @@ FAMILIES = {
     "deepseek3.1": Family("deepseek-v3.1", "deepseek-ai/DeepSeek-V3.1@c0781d03", "deepseek_v31", {
         "tokenizer.json": "32b34a41212e92f62e859cbbea121ae705a1fabbf157d9acf22d134ecd8dcf70",
         "tokenizer_config.json":
-            "f3d66f405ce0315c754a3cc041f13be863fefcd62c240068098efdbd1924f8b5"}),
+            "f3d66f405ce0315c754a3cc041f13be863fefcd62c240068098efdbd1924f8b5"},
+        tokenizer_class="TokenizersBackend"),
 }
+# text a tokenizer must give back as written: spaces, newlines, a tab, JSON, non-ASCII
+PROBE = 'Hello world,\n  two spaces\tand a tab: {"query": "a b"} caf\u00e9 \u2115 42'
+
+
+def round_trip_problem(tokenizer) -> str:
+    """'' when ``tokenizer`` decodes its own encoding of ``PROBE`` back to it; else what
+    came back (a tokenizer loaded with the wrong class: transformers #45488)."""
+    back = tokenizer.decode(tokenizer.encode(PROBE, add_special_tokens=False),
+                            skip_special_tokens=False)
+    return "" if back == PROBE else f"{PROBE!r} came back as {back!r}"
 
 
 def _data_dir() -> Path:
@@ -95,6 +117,10 @@ def export_family(name: str, out_dir: str | Path) -> Path:
             raise TokenizerFilesError(f"{folder / file}: sha256 differs from the file "
                                       f"published with {family.source} ({digest[:12]}...)")
         files[file] = data
+    if family.tokenizer_class:  # the published class misleads transformers 5 (above)
+        config = json.loads(files["tokenizer_config.json"])
+        config["tokenizer_class"] = family.tokenizer_class
+        files["tokenizer_config.json"] = json.dumps(config, indent=2).encode()
     out.mkdir(parents=True, exist_ok=True)
     for file, data in files.items():
         (out / file).write_bytes(data)

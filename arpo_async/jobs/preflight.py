@@ -11,6 +11,11 @@ to RUN_DIR/config.yaml, the file every role reads.
   (toolenv/tool_classes.py), one line naming ``tools.custom[i]`` and the path.
 - ``model.path``: the tiny local model built there when missing (not on a dry run,
   which checks lengths only when the folder is there).
+- The model's tokenizer, loaded as vLLM loads it (``AutoTokenizer``), must give text back
+  as written (``family_tokenizers.round_trip_problem``): transformers 5 loads a byte-level
+  tokenizer whose config names ``LlamaTokenizerFast`` (DeepSeek V3 and R1-Distill-Llama
+  folders whose ``config.json`` it does not recognise) with a decoder that drops every
+  space, silently; such a folder is refused in one line saying what to change.
 - Lengths, once the tokenizer can be read: every prompt of the run's task, chat-templated
   as the actor sends it (system prompt, the tools block of ``tools.syntax``, question,
   ``model.chat_template_kwargs``), plus ``sampling.max_response_tokens``, against
@@ -71,22 +76,43 @@ def prepare_run(cfg: Config, dry_run: bool = False) -> None:
             cfg.model.path = resolve_model_path(cfg)
         except (FileNotFoundError, ValueError, OSError) as exc:
             raise ConfigError(str(exc).splitlines()[0]) from None
-    resolve_syntax(cfg)
-    check_lengths(cfg)  # a dry run checks them too when the model folder is there
+    tokenizer = None
+    if (Path(cfg.model.path) / "config.json").is_file():
+        from transformers import AutoTokenizer  # transformers: heavy; the launcher imports this
+
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        check_round_trip(cfg, tokenizer)
+    resolve_syntax(cfg, tokenizer)
+    check_lengths(cfg, tokenizer)  # a dry run checks them too when the model folder is there
 
 
-def resolve_syntax(cfg: Config) -> None:
+def check_round_trip(cfg: Config, tokenizer) -> None:
+    """ConfigError when the model's tokenizer does not give text back as written."""
+    from arpo_async.jobs.family_tokenizers import round_trip_problem
+
+    if problem := round_trip_problem(tokenizer):
+        raise ConfigError(
+            f"model.path={cfg.model.path}: its tokenizer ({type(tokenizer).__name__}) does not "
+            f"give text back ({problem}); if tokenizer.json is byte-level BPE, set "
+            '"tokenizer_class": "TokenizersBackend" in its tokenizer_config.json '
+            "(transformers #45488)")
+
+
+def resolve_syntax(cfg: Config, tokenizer=None) -> None:
     """``tools.syntax=auto``: the parser the model's chat template calls for, written into
     the config (so RUN_DIR/config.yaml and every role say which) and printed; left for
     each role to read when the model folder is not here (a hub name)."""
     if cfg.tools.syntax != "auto" or not (Path(cfg.model.path) / "config.json").is_file():
         return
-    from transformers import AutoTokenizer
-
     from toolenv.vllm_syntax import SyntaxConfigError, detect_parser
 
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+
     try:
-        cfg.tools.syntax = detect_parser(AutoTokenizer.from_pretrained(cfg.model.path))
+        cfg.tools.syntax = detect_parser(tokenizer)
     except SyntaxConfigError as exc:
         raise ConfigError(str(exc)) from None
     print(f"tools.syntax=auto: {cfg.tools.syntax} (read from {cfg.model.path}'s chat "

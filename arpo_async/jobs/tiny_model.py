@@ -67,7 +67,7 @@ from tokenizers import (
     trainers,
 )
 
-from arpo_async.jobs.family_tokenizers import resolve_tokenizer_dir
+from arpo_async.jobs.family_tokenizers import resolve_tokenizer_dir, round_trip_problem
 from toolenv.tags import format_result
 from toolenv.tasks.suite import COMMON_WORDS
 
@@ -397,6 +397,8 @@ def _real_tokenizer(tokenizer_dir: str | Path, scratch_parent: Path) -> Any:
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
     if tokenizer.eos_token_id is None or not tokenizer.chat_template:
         raise ValueError(f"{tokenizer_dir}: the tokenizer needs an EOS token and a chat template")
+    if problem := round_trip_problem(tokenizer):
+        raise ValueError(f"{tokenizer_dir}: the tokenizer does not give text back: {problem}")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
