@@ -1,5 +1,5 @@
 """Fuzz every tool-call parser (issue 32): hostile and malformed rounds per model family
-through the syntax the rollout uses (``find_call``), on the family's real tokenizer and
+through the syntax the rollout uses (``find_calls``), on the family's real tokenizer and
 template.
 
 Families: ``qwen3`` (Qwen3's hermes JSON calls, this project's parser), ``qwen3.5``
@@ -7,7 +7,7 @@ Families: ``qwen3`` (Qwen3's hermes JSON calls, this project's parser), ``qwen3.
 (vLLM's ``deepseek_v31``). Rounds: toolenv/call_fuzz.py (truncated calls, nested markers,
 unknown or hostile names, code as arguments, invalid JSON/XML, long values, control
 tokens, random bytes, several calls). Counted: crashes (an exception out of
-``find_call``), code evaluated (``exec`` audit events), the calls refused with their
+``find_calls``), code evaluated (``exec`` audit events), the calls refused with their
 reasons, the well-formed calls left.
 
 The instrument is calibrated first, on planted parsers whose answer is known: one that
@@ -47,11 +47,11 @@ class _Planted:
     def call_text(self, name: str, args: str) -> str:
         return f"<tool_call>{args}</tool_call>"
 
-    def find_call(self, text: str):
+    def find_calls(self, text: str):
         if self.mode == "raise":
             raise ValueError("planted")
         eval(repr(text))  # noqa: S307 - the planted evaluation the counter must see
-        return None
+        return []
 
 
 def calibrate(n: int = 200) -> dict:

@@ -1,15 +1,15 @@
-"""Hostile and malformed tool-call rounds for a syntax's ``find_call`` (the fuzz test,
+"""Hostile and malformed tool-call rounds for a syntax's ``find_calls`` (the fuzz test,
 tests/unit/test_vllm_syntax.py, and bench/parsers.py).
 
 ``hostile_rounds(syntax, rng, n)`` yields rounds as a model could end them: each starts
 from a well-formed call in the syntax's own format (``call_text``) and applies one or more
 mutations: cut anywhere, markers doubled or nested, the name replaced (unknown, empty,
 huge, code), arguments replaced by code, invalid JSON or XML, a huge value, control
-tokens, random bytes; every round then ends with the syntax's end-of-call marker, as a
-round the engine stopped there does. ``audit_evals()`` counts code evaluated meanwhile
-(``exec``/``eval`` of text raise the ``exec`` audit event; ``ast.literal_eval`` does
-not, it only compiles to a tree; a module run by an import is not counted), and
-``fuzz`` counts what a parser raised as a crash.
+tokens, random bytes; every round then ends where the engine stops a round of calls (the
+end-of-call marker, or the end of the turn with ``tools.parallel_calls`` > 1).
+``audit_evals()`` counts code evaluated meanwhile (``exec``/``eval`` of text raise the
+``exec`` audit event; ``ast.literal_eval`` does not, it only compiles to a tree; a module
+run by an import is not counted), and ``fuzz`` counts what a parser raised as a crash.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ JUNK = ("{", "}", "[", "]", "\"", "<", ">", "</", "/>", "<parameter=", "</parame
 
 def _mutations(rng: np.random.Generator, text: str, syntax: Any) -> str:
     """One mutation of ``text``."""
-    opens, close = syntax.call_open if hasattr(syntax, "call_open") else "<tool_call>", \
-        syntax.stop_strings[0]
+    opens = getattr(syntax, "call_open", "<tool_call>")
+    close = getattr(syntax, "call_close", syntax.stop_strings[0])
     specials = list(getattr(syntax, "literals", ()))[:50] or ["<|im_end|>"]
     kind = int(rng.integers(12))
     cut = int(rng.integers(len(text) + 1))
@@ -72,7 +72,7 @@ def _mutations(rng: np.random.Generator, text: str, syntax: Any) -> str:
 
 
 def hostile_rounds(syntax: Any, rng: np.random.Generator, n: int) -> Iterator[str]:
-    """``n`` malformed or hostile rounds, each ending with the end-of-call marker."""
+    """``n`` malformed or hostile rounds, each ending where a round of calls stops."""
     close = syntax.stop_strings[0]
     names = list(getattr(syntax, "specs", {})) or ["python"]
     for _ in range(n):
@@ -104,7 +104,7 @@ def audit_evals() -> Iterator[Counter]:
 
 
 _ACTIVE: list[Counter] = []
-WARM_UP = 200  # rounds through find_call before counting (see fuzz)
+WARM_UP = 200  # rounds through find_calls before counting (see fuzz)
 
 
 def _hook(event: str, args: tuple) -> None:
@@ -130,8 +130,9 @@ def reason(error: str) -> str:
 
 
 def fuzz(syntax: Any, n: int, seed: int = 0) -> dict:
-    """``n`` hostile rounds through ``syntax.find_call``: crashes (an exception out of
-    find_call), code evaluated, and the reasons calls were refused (first words). The
+    """``n`` hostile rounds through ``syntax.find_calls``: crashes (an exception out of
+    it), code evaluated, and the reasons calls were refused (first words; a round of
+    several calls counts each). The
     syntax first parses ``WARM_UP`` other rounds uncounted: libraries that generate code
     once (jsonschema's validators through attrs) do it there, so what is counted is code
     evaluated because of a round."""
@@ -139,20 +140,20 @@ def fuzz(syntax: Any, n: int, seed: int = 0) -> dict:
     crashes, ran, none, reasons = 0, 0, 0, Counter()
     for text in hostile_rounds(syntax, np.random.default_rng(seed + 10**6), WARM_UP):
         with contextlib.suppress(Exception):  # lazy imports and attrs' generated methods
-            syntax.find_call(text)  # (jsonschema) run here, before anything is counted
+            syntax.find_calls(text)  # (jsonschema) run here, before anything is counted
     with audit_evals() as evals:
         for text in hostile_rounds(syntax, rng, n):
             try:
-                call = syntax.find_call(text)
+                calls = syntax.find_calls(text)
             except Exception:  # what the fuzz looks for: counted, reported
                 crashes += 1
                 continue
-            if call is None:
-                none += 1
-            elif call.error:
-                reasons[reason(call.error)] += 1
-            else:
-                ran += 1
+            none += not calls
+            for call in calls:
+                if call.error:
+                    reasons[reason(call.error)] += 1
+                else:
+                    ran += 1
     return {"rounds": n, "crashes": crashes, "evals": evals["exec"], "valid_calls": ran,
             "no_call": none, "invalid": sum(reasons.values()),
             "reasons": dict(reasons.most_common(12))}

@@ -12,6 +12,13 @@ start it with ``<|im_end|>``, a special token); this is checked when the syntax 
 so a template for which it fails is refused rather than misaligned. The history is never
 re-tokenised. ``_Checks`` (format checks and the tools a response used) is shared with
 ARPO's syntax (toolenv/syntax.py); toolenv/vllm_syntax.py builds on ``HermesSyntax``.
+
+Several calls in one turn (``tools.parallel_calls`` > 1): the round does not stop at the
+end of a call but at the end of the assistant's turn, the first token of the template's
+tool turn (``end_of_turn``: ``<|im_end|>`` for ChatML and Qwen), which the model writes
+itself; every call in the turn is read (``find_calls``), and their results are inserted as
+the template renders several tool messages, from after that token (``results_text``). A
+demonstration's call (``call_text``) then ends with that token too, so SFT teaches it.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from toolenv.tags import (
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _SENTINEL = "\u2063ARPO-SENTINEL\u2063"  # text no model or tool writes
 _CLOSING_TAG = re.compile(r"</[A-Za-z_][A-Za-z0-9_-]*>")
+_BLOCK = re.compile(re.escape(CALL_OPEN) + "(.*?)" + re.escape(CALL_CLOSE), re.S)
 # The tools block of Qwen2.5/Qwen3's chat template, for templates that ignore tools=.
 _TOOLS_INTRO = ("\n\n# Tools\n\nYou may call one or more functions to assist with the user "
                 "query.\n\nYou are provided with function signatures within <tools></tools> "
@@ -60,19 +68,25 @@ class HermesSyntax(_Checks):
 
     name = "hermes"
     templated = True
+    call_open, call_close = CALL_OPEN, CALL_CLOSE
 
     def __init__(self, specs: Iterable[ToolSpec], tokenizer: Any,
-                 template_kwargs: dict | None = None):
+                 template_kwargs: dict | None = None, max_calls: int = 1):
+        if max_calls < 1:
+            raise ValueError(f"tools.parallel_calls={max_calls}: must be >= 1")
         self.specs = {s.name: s for s in specs}
         self.tokenizer = tokenizer
         self.template_kwargs = dict(template_kwargs or {})
-        self.stop_strings = [CALL_CLOSE, "</answer>"]
+        self.max_calls = max_calls
         self.literals = self._dangerous()
         pre, post = self._result_frame()
-        self.markup = Markup(calls=(("tool_call", CALL_OPEN, CALL_CLOSE),), result=(pre, post),
-                             tools=tuple(self.specs), json_calls=True,
+        self.markup = Markup(calls=(("tool_call", self.call_open, self.call_close),),
+                             result=(pre, post), tools=tuple(self.specs), json_calls=True,
                              result_label=("<tool message>", "<end of tool message>"))
         self.template_renders_tools = self._renders_tools()
+        # parallel calls: the round ends where the template's tool turn starts
+        self.end_of_turn = self._end_of_turn(pre) if max_calls > 1 else ""
+        self.stop_strings = [self.end_of_turn or self.call_close, "</answer>"]
 
     # ------------------------------------------------------------------ the template
     def _render(self, messages: list[dict], tools: list[dict] | None = None,
@@ -82,11 +96,15 @@ class HermesSyntax(_Checks):
             **self.template_kwargs)
 
     def _turn(self, content: str) -> str:
-        """The template's text after the assistant's content: end of turn, the tool
-        message holding ``content``, the next assistant header."""
+        return self._turns([content])
+
+    def _turns(self, contents: list[str]) -> str:
+        """The template's text after the assistant's content: end of turn, one tool
+        message per entry of ``contents``, the next assistant header."""
         text = self._render([{"role": "user", "content": "?"},
                              {"role": "assistant", "content": _SENTINEL},
-                             {"role": "tool", "content": content}], generation=True)
+                             *({"role": "tool", "content": c} for c in contents)],
+                            generation=True)
         at = text.find(_SENTINEL)
         if at < 0:
             raise ValueError("tools.syntax=hermes: the chat template drops the assistant "
@@ -111,6 +129,17 @@ class HermesSyntax(_Checks):
                              "<|im_end|>), so its ids alone differ from the template's")
         return pre, post
 
+    def _end_of_turn(self, pre: str) -> str:
+        """The tool turn's first token (the model writes it to end a turn of calls):
+        refused unless it is a control token that starts ``pre`` at a token boundary."""
+        ids = self.tokenizer.encode(pre, add_special_tokens=False)
+        first = self.tokenizer.decode(ids[:1], skip_special_tokens=False)
+        if (not pre.startswith(first) or first not in control_texts(self.tokenizer)
+                or self.tokenizer.encode(pre[len(first):], add_special_tokens=False) != ids[1:]):
+            raise ValueError(f"tools.parallel_calls: the chat template's tool turn {pre!r} "
+                             "does not start with an end-of-turn token the model can write")
+        return first
+
     def _dangerous(self) -> tuple[str, ...]:
         """Texts untrusted text must not contain (tags.defuse): the tokenizer's special and
         added tokens, closing tags of the template's tool turn (they would end the result
@@ -126,11 +155,16 @@ class HermesSyntax(_Checks):
         return bool(tools) and self._render(messages, tools) != self._render(messages)
 
     # ------------------------------------------------------------------ the protocol
+    def results_text(self, texts: list[str]) -> str:
+        """The inserted text for the results of one turn's calls, in order: the template's
+        tool messages (with parallel calls, from after ``end_of_turn``, which the model
+        wrote); control tokens in each output defused, as arpo's ``</result>`` is, so
+        printed text cannot end the turn or forge one."""
+        turn = self._turns([defuse(t, self.literals) for t in texts])
+        return turn[len(self.end_of_turn):]
+
     def result_text(self, text: str) -> str:
-        """The template's text from the end of the assistant's call to the next assistant
-        header, around the tool's output (control tokens in the output defused, as
-        arpo's ``</ result>``: printed text cannot end the turn or forge one)."""
-        return self._turn(defuse(text, self.literals))
+        return self.results_text([text])
 
     def result_ids(self, text: str) -> list[int]:
         return self.tokenizer.encode(self.result_text(text), add_special_tokens=False)
@@ -140,7 +174,7 @@ class HermesSyntax(_Checks):
         props = list(spec.parameters.get("properties", {}))
         arguments = {props[0]: args} if len(props) == 1 else json.loads(args)
         body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
-        return f"{CALL_OPEN}\n{body}\n{CALL_CLOSE}"
+        return f"{CALL_OPEN}\n{body}\n{CALL_CLOSE}{self.end_of_turn}"
 
     def prompt(self, system: str | None) -> tuple[str | None, list[dict] | None]:
         """(system prompt, ``tools=`` for the template). A template that ignores
@@ -162,7 +196,34 @@ class HermesSyntax(_Checks):
         if start < 0:
             return ToolCall("", text[-200:], f"Error: {CALL_CLOSE} without {CALL_OPEN}; write "
                             f'{CALL_OPEN}{{"name": ..., "arguments": {{...}}}}{CALL_CLOSE}')
-        body = text[start + len(CALL_OPEN):len(text) - len(CALL_CLOSE)].strip()
+        return self._read(text[start + len(CALL_OPEN):len(text) - len(CALL_CLOSE)].strip())
+
+    def find_calls(self, round_text: str) -> list[ToolCall]:
+        """Every call of the turn the round ended (``find_call``'s one with
+        ``tools.parallel_calls=1``); calls past ``max_calls`` are answered with an error."""
+        if self.max_calls == 1:
+            return [c] if (c := self.find_call(round_text)) is not None else []
+        text = round_text.rstrip()
+        if not text.endswith(self.end_of_turn):
+            return []  # the turn ended with an answer, or the round ran out of tokens
+        text = text[:-len(self.end_of_turn)].rstrip()
+        if not text.endswith(self.call_close):
+            return []
+        return self._limited(self._turn_calls(text))
+
+    def _turn_calls(self, text: str) -> list[ToolCall]:
+        bodies = _BLOCK.findall(text[text.find(CALL_OPEN):]) if CALL_OPEN in text else []
+        if not bodies:
+            return [self.find_call(text)]  # </tool_call> without <tool_call>: its error
+        return [self._read(body.strip()) for body in bodies]
+
+    def _limited(self, calls: list[ToolCall]) -> list[ToolCall]:
+        """The first ``max_calls`` calls; each further one answered with an error."""
+        over = f"Error: at most {self.max_calls} tool calls per turn"
+        return calls[:self.max_calls] + [ToolCall(c.name, c.args, over)
+                                         for c in calls[self.max_calls:]]
+
+    def _read(self, body: str) -> ToolCall:
         try:
             obj = json.loads(body)
         except ValueError as exc:

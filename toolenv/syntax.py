@@ -9,8 +9,10 @@ result enters the token stream, and how a finished response is checked.
   vLLM's parser (``tools.syntax`` = its name, or ``auto``), results as the family's
   template renders them.
 
-Deliberate simplifications: a round stops at the first end of call, so each round makes
-one call (ARPO decides about branching after every result). The final answer is
+A round stops at the first end of call, so each round makes one call (ARPO decides about
+branching after every result); with ``tools.parallel_calls`` > 1 (templated syntaxes) a
+round stops at the end of the assistant's turn and makes every call in it, and the branch
+decision follows the last of their results (toolenv/hermes.py). The final answer is
 ``<answer>...\\boxed{}</answer>`` in every syntax, so rewards and evaluation read them all
 the same way.
 """
@@ -51,7 +53,11 @@ class ToolSyntax(Protocol):
 
     def find_call(self, round_text: str) -> ToolCall | None: ...
 
+    def find_calls(self, round_text: str) -> list[ToolCall]: ...  # the rollout's reader
+
     def result_text(self, text: str) -> str: ...
+
+    def results_text(self, texts: list[str]) -> str: ...  # one turn's results, in order
 
     def result_ids(self, text: str) -> list[int]: ...
 
@@ -81,6 +87,13 @@ class ArpoSyntax(_Checks):
 
     def find_call(self, round_text: str) -> ToolCall | None:
         return find_tool_call(round_text, self.markup.tools)
+
+    def find_calls(self, round_text: str) -> list[ToolCall]:
+        return [c] if (c := self.find_call(round_text)) is not None else []
+
+    def results_text(self, texts: list[str]) -> str:
+        (text,) = texts  # one call per round
+        return self.result_text(text)
 
     def result_text(self, text: str) -> str:
         """``<result>`` block of the output, its control tokens defused (tags.defuse)."""
@@ -120,7 +133,7 @@ def build_syntax(cfg: Any, tokenizer: Any, template_kwargs: dict | None = None) 
     """The syntax ``cfg.syntax`` (a ``ToolsConfig``) names, over the configured tools;
     ``template_kwargs`` go to every chat-template rendering (prompts and tool turns).
     ``auto`` and a vLLM parser's name: toolenv/vllm_syntax.py (imports vLLM)."""
-    specs = tool_specs(cfg)
+    specs, calls = tool_specs(cfg), getattr(cfg, "parallel_calls", 1)
     if cfg.syntax == "arpo":
         return ArpoSyntax(specs, tokenizer, template_kwargs)
     name = cfg.syntax
@@ -131,5 +144,5 @@ def build_syntax(cfg: Any, tokenizer: Any, template_kwargs: dict | None = None) 
         if cfg.syntax == "auto":
             log.info("tools.syntax=auto: %s (read from the chat template)", name)
         if name != "hermes":
-            return VllmParserSyntax(specs, tokenizer, name, template_kwargs)
-    return HermesSyntax(specs, tokenizer, template_kwargs)
+            return VllmParserSyntax(specs, tokenizer, name, template_kwargs, calls)
+    return HermesSyntax(specs, tokenizer, template_kwargs, calls)

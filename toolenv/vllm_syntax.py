@@ -25,8 +25,11 @@ everything written into the token stream, token in token out, as ``HermesSyntax`
 
 ``auto`` reads the template (``detect_parser``). Supported: the parsers in ``STOPS``,
 each tested on its family's real tokenizer and template (tests/unit/test_vllm_syntax.py,
-docs/tools.md). Not supported: several calls in one turn (a round stops at the first end
-of call; DeepSeek's block of several calls is refused with an error the model reads).
+docs/tools.md). Several calls in one turn (``tools.parallel_calls`` > 1) as for hermes:
+the round ends at the tool turn's first token, the parser reads every call of the turn
+(DeepSeek's block of several calls included), the results follow as the template renders
+several tool messages. With ``tools.parallel_calls=1`` a round stops at the first end of
+call and a turn of several calls is refused with an error the model reads.
 vLLM is imported when such a syntax is built (about 10 s), never by the other syntaxes.
 """
 
@@ -89,7 +92,7 @@ class VllmParserSyntax(HermesSyntax):
     templated = True
 
     def __init__(self, specs: Iterable[ToolSpec], tokenizer: Any, parser: str,
-                 template_kwargs: dict | None = None):
+                 template_kwargs: dict | None = None, max_calls: int = 1):
         if parser not in STOPS:
             raise SyntaxConfigError(f"tools.syntax={parser}: not a supported parser (arpo, "
                                     f"hermes, auto, {', '.join(STOPS)})")
@@ -100,8 +103,7 @@ class VllmParserSyntax(HermesSyntax):
         self.call_open, self.call_close = STOPS[parser]
         self._example = specs[0]
         self._args_as_text = False  # DeepSeek's template takes arguments as a JSON string
-        super().__init__(specs, tokenizer, template_kwargs)
-        self.stop_strings = [self.call_close, "</answer>"]
+        super().__init__(specs, tokenizer, template_kwargs, max_calls)
         pre, post = self.markup.result
         self.markup = Markup(calls=(("tool_call", self.call_open, self.call_close),),
                              result=(pre, post), tools=tuple(self.specs), json_calls=True,
@@ -110,20 +112,22 @@ class VllmParserSyntax(HermesSyntax):
         self._parser, self._request = self._make_parser()
 
     # ------------------------------------------------------------------ the template
-    def _call_message(self, spec: ToolSpec, arguments: dict) -> dict:
+    def _call_message(self, spec: ToolSpec, arguments: dict, n: int = 1) -> dict:
+        """An assistant message of ``n`` calls to ``spec`` with ``arguments``."""
         args: Any = json.dumps(arguments, ensure_ascii=False) if self._args_as_text else arguments
         return {"role": "assistant", "content": "",
-                "tool_calls": [{"type": "function", "id": "call_0",
-                                "function": {"name": spec.name, "arguments": args}}]}
+                "tool_calls": [{"type": "function", "id": f"call_{i}",
+                                "function": {"name": spec.name, "arguments": args}}
+                               for i in range(n)]}
 
     def _example_args(self) -> dict:
         props = list(self._example.parameters.get("properties", {})) or ["input"]
         return {props[0]: "1"}
 
-    def _conversation(self, content: str) -> list[dict]:
+    def _conversation(self, contents: list[str]) -> list[dict]:
         return [{"role": "user", "content": "?"},
-                self._call_message(self._example, self._example_args()),
-                {"role": "tool", "content": content}]
+                self._call_message(self._example, self._example_args(), len(contents)),
+                *({"role": "tool", "content": c} for c in contents)]
 
     def _render_call(self, messages: list[dict], generation: bool) -> str:
         """Renders a conversation holding a call; a template that takes the arguments as
@@ -140,11 +144,14 @@ class VllmParserSyntax(HermesSyntax):
                                                                ensure_ascii=False)
             return self._render(messages, generation=generation)
 
-    def _turn(self, content: str) -> str:
-        """The template's text after the call's end marker: the end of the assistant
-        turn, the tool message holding ``content``, the next assistant header."""
-        text = self._render_call(self._conversation(content), generation=True)
-        at = text.rfind(self.call_close, 0, text.rfind(content) if content else len(text))
+    def _turns(self, contents: list[str]) -> str:
+        """The template's text after the last call's end marker: the end of the assistant
+        turn, one tool message per entry of ``contents``, the next assistant header."""
+        text = self._render_call(self._conversation(contents), generation=True)
+        limit = len(text)
+        for content in reversed(contents):  # where the first tool message's content is
+            limit = text.rfind(content, 0, limit) if content else limit
+        at = text.rfind(self.call_close, 0, limit)
         if at < 0:
             raise SyntaxConfigError(f"tools.syntax={self.parser_name}: the chat template does "
                                     f"not write {self.call_close!r} at the end of a call")
@@ -157,7 +164,7 @@ class VllmParserSyntax(HermesSyntax):
             raise SyntaxConfigError(f"tools.syntax={self.parser_name}: the chat template does "
                                     "not render the tool message's content")
         pre, post = turn[:at], turn[at + len(_SENTINEL):]
-        whole = self.tokenizer.encode(self._render_call(self._conversation("1"), True),
+        whole = self.tokenizer.encode(self._render_call(self._conversation(["1"]), True),
                                       add_special_tokens=False)
         alone = self.tokenizer.encode(self._turn("1"), add_special_tokens=False)
         if not pre.strip() or whole[len(whole) - len(alone):] != alone:
@@ -188,7 +195,7 @@ class VllmParserSyntax(HermesSyntax):
                                   self._call_message(spec, arguments)], generation=False)
         end = text.rfind(self.call_close)
         start = text.rfind(self.call_open, 0, end)
-        return text[start:end + len(self.call_close)]
+        return text[start:end + len(self.call_close)] + self.end_of_turn
 
     def prompt(self, system: str | None) -> tuple[str | None, list[dict] | None]:
         """(system prompt, ``tools=``): the template's tools block where it renders one;
@@ -214,23 +221,32 @@ class VllmParserSyntax(HermesSyntax):
         if start < 0:
             return ToolCall("", text[-200:], f"Error: {self.call_close} without "
                             f"{self.call_open}; write the call as the tools block shows")
-        body = text[start:]
+        return self._parsed(text[start:], one=True)[0]
+
+    def _turn_calls(self, text: str) -> list[ToolCall]:
+        start = text.find(self.call_open)
+        if start < 0:
+            return [self.find_call(text)]  # an end of call without its opening: the error
+        return self._parsed(text[start:], one=False)
+
+    def _parsed(self, body: str, one: bool) -> list[ToolCall]:
+        """The calls vLLM's parser reads in ``body`` (``one``: exactly one allowed)."""
         if len(body) > MAX_CALL_CHARS:  # the parsers' regexes slow down past this
-            return ToolCall("", body[:200], f"Error: the tool call is longer than "
-                            f"{MAX_CALL_CHARS} characters")
+            return [ToolCall("", body[:200], f"Error: the tool call is longer than "
+                             f"{MAX_CALL_CHARS} characters")]
         try:
             found = self._parser.extract_tool_calls(body, self._request)
         except Exception as exc:  # a parser bug must not end the rollout: the call fails
-            return ToolCall("", body, f"Error: the tool call could not be read "
-                            f"({type(exc).__name__})")
+            return [ToolCall("", body, f"Error: the tool call could not be read "
+                             f"({type(exc).__name__})")]
         calls = list(found.tool_calls or []) if found.tools_called else []
         if not calls:
-            return ToolCall("", body, "Error: the tool call could not be read; write it as "
-                            "the tools block shows")
-        if len(calls) > 1:
-            return ToolCall("", body, "Error: one tool call per turn")
-        return self._checked_text(calls[0].function.name or "", calls[0].function.arguments,
-                                  body)
+            return [ToolCall("", body, "Error: the tool call could not be read; write it as "
+                             "the tools block shows")]
+        if one and len(calls) > 1:
+            return [ToolCall("", body, "Error: one tool call per turn")]
+        return [self._checked_text(c.function.name or "", c.function.arguments, body)
+                for c in calls]
 
     def _checked_text(self, name: str, arguments: str, body: str) -> ToolCall:
         """The parser's arguments (JSON text) through HermesSyntax's checks."""

@@ -6,7 +6,10 @@ Every trajectory of the group runs as its own asyncio task, so one slow tool cal
 stalls the others, and all rounds of all groups share the engine's batch. The round that
 follows a tool result goes to the policy with its window entropy; a fork copies every
 token up to and including the tool result (so the call is not run again) and resamples
-the round from there.
+the round from there. With ``tools.parallel_calls`` > 1 a round may end in several calls:
+they run together (``PathStepper.run_calls``), their results go in as one tool turn, and the
+policy sees each (``observe_tool``, in the order written) and then one round: one branch
+decision per turn, after the last result.
 
 Stateful tools (``tools.python.state=session``): each root trajectory opens its
 ``ToolState`` (``ToolRunner.open_state``) when it starts; a fork's child gets a copy of its
@@ -29,6 +32,7 @@ from actors.rollout.path import LivePath, PathStepper
 from actors.rollout.policy import GroupPolicy
 from arpo_async.core.protocol import Trajectory, TrajectoryGroup
 from toolenv.syntax import build_syntax
+from toolenv.tags import ToolCall
 from toolenv.tasks.prompts import Prompt, PromptSource
 
 
@@ -102,14 +106,16 @@ class AgentRollout:
                     self._start(prompt, group, child)
                 for tid in spawn.roots:
                     self._start(prompt, group, group.root(tid))
-            call = self.syntax.find_call(rnd.text) if rnd.finish_reason == "stop" else None
+            calls = self.syntax.find_calls(rnd.text) if rnd.finish_reason == "stop" else []
             room = self.cfg.sampling.max_response_tokens - len(path.tokens)
-            if call is None or path.tool_calls >= self.cfg.rollout.tool_call_limit or room <= 0:
-                path.finish_reason = "tool_limit" if call is not None else rnd.finish_reason
+            limit = self.cfg.rollout.tool_call_limit
+            if not calls or path.tool_calls >= limit or room <= 0:
+                path.finish_reason = "tool_limit" if calls else rnd.finish_reason
                 break
-            result = await step.tool(path, call)
-            group.executed += 1
-            policy.observe_tool(path.tid, len(path.tokens), call, result)
+            results = await step.run_calls(path, over_limit(calls, limit - path.tool_calls))
+            group.executed += len(calls)
+            for call, result in zip(calls, results):
+                policy.observe_tool(path.tid, len(path.tokens), call, result)
             if len(path.tokens) >= self.cfg.sampling.max_response_tokens:
                 # The result used up the budget: another round would ask for <= 0 tokens.
                 path.finish_reason = "length"
@@ -126,6 +132,14 @@ class AgentRollout:
             versions=np.asarray(path.versions, np.int32), reward=reward, score=score,
             parent=parent, branch_point=path.branch_point, tool_calls=path.tool_calls,
             finish_reason=path.finish_reason)
+
+
+def over_limit(calls: list[ToolCall], left: int) -> list[ToolCall]:
+    """A turn's calls with those past the ``left`` the tool-call limit allows answered
+    with an error instead of run (``tools.parallel_calls`` > 1 only: one call a round
+    never passes it)."""
+    error = "Error: the tool-call limit of this trajectory is reached"
+    return calls[:left] + [ToolCall(c.name, c.args, c.error or error) for c in calls[left:]]
 
 
 class _Group:

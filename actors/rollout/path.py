@@ -30,6 +30,7 @@ leaves: a context that fills it ends the trajectory as ``length``, counted
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -173,18 +174,19 @@ class PathStepper:
         path.decide = False
         return Round("", float("nan"), False, "length")
 
-    async def tool(self, path: LivePath, call: ToolCall) -> ToolResult:
-        """Run ``call`` and append its result. A call that cannot run (hermes: bad JSON,
-        unknown tool, bad arguments) is answered with its error, as a serving stack's tool
-        executor would, and counted."""
-        with self.occupancy.waiting():  # not generating while the tool runs
-            if call.error:
-                result = self.tools.reject(call.name, call.error)
-            elif path.state is not None:
-                result = await self.tools.call(call.name, call.args, state=path.state)
+    async def run_calls(self, path: LivePath, calls: list[ToolCall]) -> list[ToolResult]:
+        """Run the calls of one turn and append their results (one tool turn). Several
+        calls run together through the runner (its cache, rate and concurrency limits);
+        on a path with state (a Python session) one after another in the order written,
+        since they share it. A call that cannot run (bad JSON, unknown tool, bad
+        arguments) is answered with its error, as a serving stack's tool executor would,
+        and counted."""
+        with self.occupancy.waiting():  # not generating while the tools run
+            if path.state is not None or len(calls) == 1:
+                results = [await self._run(path, call) for call in calls]
             else:
-                result = await self.tools.call(call.name, call.args)
-        inserted = self.syntax.result_text(result.text)
+                results = list(await asyncio.gather(*(self._run(path, c) for c in calls)))
+        inserted = self.syntax.results_text([r.text for r in results])
         if not self.syntax.templated:  # a template's tool turn is inserted whole
             inserted = after_overhang(path.overhang, inserted)
         ids = self.tokenizer.encode(inserted, add_special_tokens=False)
@@ -192,5 +194,12 @@ class PathStepper:
         path.mask += [0] * len(ids)
         path.logprobs += [0.0] * len(ids)
         path.versions += [-1] * len(ids)
-        path.tool_calls += 1
-        return result
+        path.tool_calls += len(calls)
+        return results
+
+    async def _run(self, path: LivePath, call: ToolCall) -> ToolResult:
+        if call.error:
+            return self.tools.reject(call.name, call.error)
+        if path.state is not None:
+            return await self.tools.call(call.name, call.args, state=path.state)
+        return await self.tools.call(call.name, call.args)

@@ -145,9 +145,9 @@ def test_the_eval_counter_is_calibrated():
         def call_text(self, name, args):
             return f"<tool_call>{args}</tool_call>"
 
-        def find_call(self, text):
+        def find_calls(self, text):
             eval(repr(text))  # noqa: S307
-            return None
+            return []
 
     assert fuzz(Evaluating(), 50)["evals"] == 50
 

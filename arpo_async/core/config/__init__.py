@@ -181,6 +181,9 @@ class Config(_Section):
             raise ValueError(f"tools.syntax={self.tools.syntax}: the simulated engine writes "
                              "ARPO tags only "
                              "(actors.engine=simulated); use tools.syntax=arpo with it")
+        if self.tools.parallel_calls > 1 and self.tools.syntax == "arpo":
+            raise ValueError("tools.parallel_calls > 1 needs a templated tools.syntax (hermes, "
+                             "auto or a vLLM parser's name): ARPO's tags make one call a round")
         if self.actors.update_mode == "keep" and self.actors.engine.type != "vllm":
             raise ValueError("actors.update_mode=keep freezes requests with their KV cache "
                              f"(vLLM only); actors.engine={self.actors.engine.type} takes drain or "

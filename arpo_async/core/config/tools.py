@@ -144,6 +144,10 @@ class ToolsConfig(_Section):
         "results as the chat template's tool message, schemas via its tools= argument); a "
         "vLLM tool parser's name (the model family's own format, results and schemas through "
         "its chat template: toolenv/vllm_syntax.py); or auto (read from the chat template)")
+    parallel_calls: int = Field(
+        1, ge=1, le=64, description="most tool calls one assistant turn makes (1: a round "
+        "stops at the end of the first call; more: at the end of the turn, its calls run "
+        "together and one branch decision follows their results; templated syntaxes only)")
     cache_dir: str = Field(
         "", description="shared tool-result cache folder ('' = run_dir/tool_cache)")
     cache_ttl_s: float = Field(0.0, description="tool cache entry lifetime (0: forever)")
