@@ -1,10 +1,18 @@
 """The learner's process group: joining it, and the two object collectives the loop uses
 (rank 0 collects the batch and hands each rank its part; rank 0 decides, every rank
-follows)."""
+follows).
+
+Every collective has a deadline (``learner.collective_timeout_s``, the process group's
+timeout): a rank whose peer is gone (its host cut off, its process stopped or killed)
+fails the step within it instead of waiting forever, and ``failure_line`` says which
+rank failed, on which host, with the hosts of all ranks (``rank_hosts``, gathered when
+the group is joined), so the log names the machine to look at."""
 
 from __future__ import annotations
 
 import os
+import socket
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -28,7 +36,28 @@ def init_distributed(cfg=None) -> None:
         backend = dist_backend(cfg)
     import deepspeed  # deepspeed: heavy; reads DS_ACCELERATOR (set just above) at import
 
-    deepspeed.init_distributed(dist_backend=backend)
+    deadline = cfg.learner.collective_deadline_s if cfg is not None else 1800.0
+    deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=deadline))
+
+
+def rank_hosts(world: int) -> list[str]:
+    """The hostname of every rank, in rank order (a collective: every rank calls it)."""
+    here = socket.gethostname()
+    if world == 1:
+        return [here]
+    hosts: list = [None] * world
+    dist.all_gather_object(hosts, here)
+    return [str(h) for h in hosts]
+
+
+def failure_line(exc: BaseException, rank: int, hosts: list[str], deadline_s: float) -> str:
+    """One line for a rank that failed: what, where, and where the other ranks are."""
+    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    where = hosts[rank] if rank < len(hosts) else socket.gethostname()
+    ranks = ", ".join(f"{r} on {h}" for r, h in enumerate(hosts)) or "unknown"
+    return (f"learner rank {rank} on {where} failed: {type(exc).__name__}: {first} (ranks: "
+            f"{ranks}; a peer gone or stalled fails a collective within "
+            f"learner.collective_timeout_s={deadline_s:.0f} s)")
 
 
 def scatter(obj_per_rank, rank: int, world: int):

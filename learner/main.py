@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from arpo_async.core.config import load_config
 from arpo_async.core.protocol import ExitCode
@@ -25,7 +26,18 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = load_config(args.config)
     cfg.run.apply_log_level()
-    LearnerLoop(cfg, resume=args.resume).run()
+    loop = None
+    try:
+        loop = LearnerLoop(cfg, resume=args.resume)
+        loop.run()
+    except Exception as exc:  # one line naming rank and hosts, then the traceback
+        from learner.dist import failure_line
+
+        rank = int(os.environ.get("RANK", "0"))
+        hosts = loop.hosts if loop is not None else []
+        logging.getLogger("learner").error(
+            failure_line(exc, rank, hosts, cfg.learner.collective_deadline_s))
+        raise
     return ExitCode.OK
 
 

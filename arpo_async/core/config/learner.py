@@ -92,6 +92,11 @@ class LearnerConfig(_Section):
         "alive and its tickets are released"
     )
     wait_timeout_s: float = Field(600.0, description="fail if no trajectory arrives for this long")
+    collective_timeout_s: float = Field(
+        0.0, ge=0, description="deadline of every collective between learner ranks, seconds "
+        "(0: wait_timeout_s + straggler_wait_s + 600, longer than rank 0 can spend collecting "
+        "a batch); a rank whose peer is gone (its host cut off, its process stopped) fails "
+        "within it, with a line naming the ranks' hosts, instead of hanging")
     straggler_wait_s: float = Field(
         300.0, ge=0, description="with a batch ready, how long at most a step waits for the "
         "groups it would make stale: those whose tickets were granted on weights max_staleness "
@@ -136,3 +141,8 @@ class LearnerConfig(_Section):
                              f"{self.batch_groups}: mini-batches are made of whole groups, so "
                              "some optimizer steps would have nothing to train on")
         return self
+
+    @property
+    def collective_deadline_s(self) -> float:
+        """``collective_timeout_s``, or (0) longer than rank 0 can wait for a batch."""
+        return self.collective_timeout_s or self.wait_timeout_s + self.straggler_wait_s + 600.0
