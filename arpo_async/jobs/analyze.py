@@ -157,9 +157,9 @@ async def sample_leaves(cfg: Config, data: Path, limit: int, k: int, corpus: Pat
                 for leaf in g.leaves:
                     names = []
                     for s, e in rounds_of(leaf.loss_mask):
-                        call = source.syntax.find_call(  # tools.syntax: arpo or hermes
+                        calls = source.syntax.find_calls(  # a turn's last call names it
                             tok.decode(leaf.tokens[s:e], skip_special_tokens=False))
-                        names.append(call.name if call else None)
+                        names.append(calls[-1].name if calls else None)
                     out.append({"prompt": list(p.tokens), "tokens": leaf.tokens,
                                 "mask": leaf.loss_mask, "tools": names})
             log(f"[analyze] sampled {len(out)} trajectories of {len(prompts)} prompts")
