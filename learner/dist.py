@@ -40,6 +40,14 @@ def init_distributed(cfg=None) -> None:
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=deadline))
 
 
+def close_distributed() -> None:
+    """Leave the process group before the interpreter exits: a gloo group torn down by
+    interpreter exit instead can abort the process (``terminate called without an active
+    exception``, SIGABRT) after a run that ended well, which fails a Slurm job."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def rank_hosts(world: int) -> list[str]:
     """The hostname of every rank, in rank order (a collective: every rank calls it)."""
     here = socket.gethostname()
