@@ -58,11 +58,16 @@ def rank_hosts(world: int) -> list[str]:
     return [str(h) for h in hosts]
 
 
+def ranks_text(hosts: list[str]) -> str:
+    """``0 on a, 1 on b``: the ranks and their hosts."""
+    return ", ".join(f"{r} on {h}" for r, h in enumerate(hosts))
+
+
 def failure_line(exc: BaseException, rank: int, hosts: list[str], deadline_s: float) -> str:
     """One line for a rank that failed: what, where, and where the other ranks are."""
     first = (str(exc).strip().splitlines() or [""])[0][:300]
     where = hosts[rank] if rank < len(hosts) else socket.gethostname()
-    ranks = ", ".join(f"{r} on {h}" for r, h in enumerate(hosts)) or "unknown"
+    ranks = ranks_text(hosts) or "unknown"
     return (f"learner rank {rank} on {where} failed: {type(exc).__name__}: {first} (ranks: "
             f"{ranks}; a peer gone or stalled fails a collective within "
             f"learner.collective_timeout_s={deadline_s:.0f} s)")

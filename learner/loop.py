@@ -34,7 +34,7 @@ from arpo_async.core.metrics import MetricsWriter, append_jsonl, probe_sequence
 from arpo_async.core.rundir import RUN_STATE, checkpoints_dir, latest_checkpoint
 from learner import checkpoint as C
 from learner.batching import balanced_split, samples_from_groups
-from learner.dist import broadcast, init_distributed, rank_hosts, scatter
+from learner.dist import broadcast, init_distributed, rank_hosts, ranks_text, scatter
 from learner.rollout_metrics import rollout_metrics
 from learner.service import LearnerService
 from learner.trainer import PolicyTrainer, split_minibatches
@@ -109,8 +109,7 @@ class LearnerLoop:
         self.rank, self.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         self.hosts = rank_hosts(self.world)
         if self.world > 1:
-            log.info("learner ranks: %s", ", ".join(f"{r} on {h}" for r, h in
-                                                     enumerate(self.hosts)))
+            log.info("learner ranks: %s", ranks_text(self.hosts))
         log.info("rank %d/%d: building the DeepSpeed engine (ZeRO-%d)", self.rank, self.world,
                  cfg.learner.zero_stage)
         self.trainer = PolicyTrainer(cfg, cfg.model.path)

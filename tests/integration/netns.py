@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
+from collections.abc import Iterator
 
 PREFIX = "arpons"
 SUBNET = "10.226.0"  # a private /24 that exists only between these namespaces
@@ -96,3 +98,22 @@ class Hosts:
         for ns in [*self.ns.values(), self.switch]:
             if ns in _namespaces():
                 _remove(ns)
+
+
+def hosts_or_skip(names: list[str]) -> Iterator[Hosts]:
+    """The hosts ``names``, up, for a module fixture (``yield from``); the test is skipped
+    with the reason where namespaces cannot be made; removed afterwards."""
+    import pytest
+
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("nsenter") is None:
+        pytest.skip("network namespaces need root, ip (iproute2) and nsenter (util-linux)")
+    clear_leftovers()
+    h = Hosts(names)
+    try:
+        try:
+            h.up()
+        except RuntimeError as exc:
+            pytest.skip(f"cannot make network namespaces here: {str(exc).splitlines()[0]}")
+        yield h
+    finally:
+        h.down()

@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import time
@@ -46,18 +45,7 @@ DEADLINE_S = 20
 
 @pytest.fixture(scope="module")
 def hosts():
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("nsenter") is None:
-        pytest.skip("network namespaces need root, ip (iproute2) and nsenter (util-linux)")
-    netns.clear_leftovers()
-    h = netns.Hosts(HOSTS)
-    try:
-        try:
-            h.up()
-        except RuntimeError as exc:
-            pytest.skip(f"cannot make network namespaces here: {str(exc).splitlines()[0]}")
-        yield h
-    finally:
-        h.down()
+    yield from netns.hosts_or_skip(HOSTS)
 
 
 class Job:

@@ -51,18 +51,7 @@ CUT_S = 20.0
 
 @pytest.fixture(scope="module")
 def hosts():
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("nsenter") is None:
-        pytest.skip("network namespaces need root, ip (iproute2) and nsenter (util-linux)")
-    netns.clear_leftovers()
-    h = netns.Hosts(HOSTS)
-    try:
-        try:
-            h.up()
-        except RuntimeError as exc:
-            pytest.skip(f"cannot make network namespaces here: {str(exc).splitlines()[0]}")
-        yield h
-    finally:
-        h.down()
+    yield from netns.hosts_or_skip(HOSTS)
 
 
 class Run:
