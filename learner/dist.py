@@ -10,8 +10,10 @@ the group is joined), so the log names the machine to look at."""
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import sys
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -46,6 +48,17 @@ def close_distributed() -> None:
     exception``, SIGABRT) after a run that ended well, which fails a Slurm job."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_after_failure(code: int) -> None:
+    """End a rank whose collective failed, with ``code``, without running the interpreter's
+    exit: the broken gloo group's destructors abort the process there (``terminate called
+    without an active exception``, SIGABRT) and the supervisor would see a signal, not the
+    code. Output is flushed first; only a multi-rank group needs this."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(code))
 
 
 def rank_hosts(world: int) -> list[str]:

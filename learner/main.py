@@ -33,12 +33,15 @@ def main(argv: list[str] | None = None) -> int:
         loop.run()
         close_distributed()
     except Exception as exc:  # one line naming rank and hosts, then the traceback
-        from learner.dist import failure_line
+        from learner.dist import exit_after_failure, failure_line
 
         rank = int(os.environ.get("RANK", "0"))
         hosts = loop.hosts if loop is not None else []
-        logging.getLogger("learner").error(
-            failure_line(exc, rank, hosts, cfg.learner.collective_deadline_s))
+        log = logging.getLogger("learner")
+        log.error(failure_line(exc, rank, hosts, cfg.learner.collective_deadline_s))
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a broken group aborts at exit
+            log.exception("learner rank %d traceback", rank)
+            exit_after_failure(ExitCode.FAILED)
         raise
     return ExitCode.OK
 

@@ -2,7 +2,8 @@
 as the learner does (``learner.dist.init_distributed`` with
 ``learner.collective_timeout_s`` = argv[1]), gathers the ranks' hosts, and then rank 1
 stops itself (SIGSTOP: alive, its sockets open, silent) while rank 0 runs the next
-collective that needs it. Rank 0 prints how long that took and ``failure_line``."""
+collective that needs it. Rank 0 prints how long that took and ``failure_line``, and ends as
+``learner.main`` ends a failed rank (``exit_after_failure``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import sys
 import time
 
 from arpo_async.core.config import load_config
-from learner.dist import failure_line, init_distributed, rank_hosts
+from learner.dist import exit_after_failure, failure_line, init_distributed, rank_hosts
 
 
 def main() -> int:
@@ -30,7 +31,7 @@ def main() -> int:
     except Exception as exc:
         print(f"failed after {time.monotonic() - t0:.1f} s", flush=True)
         print(failure_line(exc, rank, hosts, cfg.learner.collective_deadline_s), flush=True)
-        return 3
+        exit_after_failure(3)  # as learner.main does: the broken group aborts at exit
     print("completed", flush=True)
     return 0
 
