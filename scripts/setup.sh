@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # bubblewrap: the Python tool's sandbox; g++: DeepSpeed's CPU op; iproute2, slurm-wlm and
-# munge: the tests that put hosts in network namespaces and run a one-machine Slurm cluster
+# munge: the tests that put hosts in network namespaces and run a Slurm cluster across them
 # (their packages' daemons are not started here: the tests start their own); chromium: the
 # trees page's test loads it in a real headless browser (tests/integration/test_trees_page.py).
 need=""
