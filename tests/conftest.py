@@ -18,10 +18,21 @@ SPINE = str(REPO / "configs" / "spine.yaml")
 # The longest test files (a quiet serial run, 2026-12-03: 250 s down to 60 s each) run
 # first: the parallel workers take files in collection order (pyproject.toml), and one of
 # these started last would finish alone long after the rest.
-LONGEST_FIRST = ["test_faults_processes", "test_real_tokenizer_chain", "test_resume",
+LONGEST_FIRST = ["test_faults_processes", "test_real_tokenizer_chain",
+                 "test_real_tokenizer_chain_xml", "test_learner_hosts", "test_resume",
                  "test_netns", "test_pipeline", "test_chaos", "test_experiments", "test_spine",
                  "test_engines", "test_sft_eval", "test_faults_frames", "test_sandbox",
                  "test_packed_trainer", "test_arpo_rollout", "test_actor_scheduling"]
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker more than the cores this process may use. Many integration
+    tests spend much of their time waiting (a stalled actor, a cut cable, a fault every
+    15 s), so a third worker on 2 cores keeps them busy: the suite took 915 s with 3
+    workers against 1,026 s with 2 (2026-12-06, a quiet 2-core machine, peak memory 10
+    GB of 24). The tests hold on a loaded machine by rule (scripts/loaded_suite.sh)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (cores or 1) + 1
 
 
 def pytest_collection_modifyitems(config, items):
