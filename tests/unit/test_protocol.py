@@ -216,19 +216,24 @@ def test_every_message_kind_round_trips_exactly(msg):
     assert_same(msg, P.decode(P.encode(msg)))  # zero-copy buffers decode the same
 
 
+def _kinds_drawn(strategy) -> set[str]:
+    kinds = set()
+
+    @settings(max_examples=1, deadline=None, derandomize=True, database=None)
+    @given(strategy)
+    def collect(msg):
+        kinds.add(msg.KIND)
+
+    collect()
+    return kinds
+
+
 def test_every_kind_is_covered_by_the_round_trip_strategy():
     """Each kind's strategy is drawn from on its own (one example each, derandomized):
     coverage by construction, not by how many examples a one_of happened to draw."""
     seen = set()
     for strategy in KIND_STRATEGIES:
-        kinds = set()
-
-        @settings(max_examples=1, deadline=None, derandomize=True, database=None)
-        @given(strategy)
-        def collect(msg):
-            kinds.add(msg.KIND)
-
-        collect()
+        kinds = _kinds_drawn(strategy)
         assert len(kinds) == 1, (strategy, kinds)
         seen |= kinds
     assert seen == set(P.MESSAGES)
