@@ -18,7 +18,7 @@ here only count, and return what the caller has to release.
 
 State for checkpoints and ``RUN_DIR/state.json`` is JSON: ``{actor_id: {"pid",
 "received_total", "trained", "dropped", "sent_by_pid", "received_by_pid",
-"data_pos"}}`` with string keys (checkpoints of every version read alike). Tickets are
+"data_pos", "prompts"}}`` with string keys (checkpoints of every version read alike). Tickets are
 not saved: they belong to the learner process that granted them.
 """
 
@@ -36,6 +36,52 @@ def peer_count(value, default: int) -> int:
             and math.isfinite(value) and 0 <= value < 2**62:
         return int(value)
     return default
+
+
+@dataclass
+class PromptRecord:
+    """The stream positions (``stats["data_pos"]`` of a group: the prompt's index in the
+    actor's seeded prompt stream) of the groups the learner took from one actor, trained
+    or dropped with a reason: every position below ``below``, and those in ``above``.
+    A group whose position was taken already is a duplicate: a restarted actor draws
+    again from the earliest prompt it had not delivered, so the prompts it delivered
+    after that one come twice; the learner drops the second ("duplicate") instead of
+    training a prompt twice. Positions below the actor's own stream position that were
+    never taken were skipped: lost in transit, or trained and then rolled back with a
+    learner checkpoint (not generated again)."""
+
+    below: int = 0
+    above: set = field(default_factory=set)
+    duplicates: int = 0
+
+    def take(self, pos: int) -> bool:
+        """Record position ``pos``; False (and counted) when it was taken already."""
+        if pos < self.below or pos in self.above:
+            self.duplicates += 1
+            return False
+        self.above.add(pos)
+        while self.below in self.above:
+            self.above.remove(self.below)
+            self.below += 1
+        return True
+
+    def taken(self) -> int:
+        return self.below + len(self.above)
+
+    def skipped(self, upto: int) -> int:
+        """Positions below ``upto`` never taken."""
+        return max(upto - self.below, 0) - sum(1 for p in self.above if p < upto)
+
+    def to_state(self) -> dict:
+        return {"below": self.below, "above": sorted(self.above),
+                "duplicates": self.duplicates}
+
+    @classmethod
+    def from_state(cls, d: dict | None) -> PromptRecord:
+        d = d or {}
+        out = cls(below=int(d.get("below", 0)), duplicates=int(d.get("duplicates", 0)))
+        out.above = {int(p) for p in d.get("above", []) if int(p) >= out.below}
+        return out
 
 
 @dataclass
@@ -62,6 +108,7 @@ class ActorLedger:
     last_seen: float = 0.0
     host: str = ""  # the machine its Hello named
     stats: dict = field(default_factory=dict)
+    prompts: PromptRecord = field(default_factory=PromptRecord)
 
     def sent(self) -> int:
         """Groups sent over all incarnations; a dead one counts at least what arrived."""
@@ -129,7 +176,7 @@ class ActorLedger:
                 "trained": self.trained, "dropped": dict(self.dropped),
                 "sent_by_pid": {str(k): v for k, v in self.sent_by_pid.items()},
                 "received_by_pid": {str(k): v for k, v in self.received_by_pid.items()},
-                "data_pos": self.stats.get("data_pos")}
+                "data_pos": self.stats.get("data_pos"), "prompts": self.prompts.to_state()}
 
     @classmethod
     def from_state(cls, d: dict) -> ActorLedger:
@@ -142,6 +189,7 @@ class ActorLedger:
         led.received_by_pid = {int(k): int(v) for k, v in d.get("received_by_pid", {}).items()}
         if d.get("data_pos") is not None:
             led.stats["data_pos"] = d["data_pos"]
+        led.prompts = PromptRecord.from_state(d.get("prompts"))
         return led
 
 
@@ -205,6 +253,13 @@ class Ledger:
         return led.take_ticket(pid, peer_count(ticket_version_stat, -1),
                                peer_count(ticket_epoch_stat, -1))
 
+    def take_prompt(self, actor_id: int, data_pos_stat) -> bool:
+        """Record the prompt of a group that arrived (``data_pos_stat``: its
+        ``stats["data_pos"]``); False for a duplicate, which the caller drops
+        ("duplicate"). A group without a position is not tracked (True)."""
+        pos = peer_count(data_pos_stat, -1)
+        return pos < 0 or self.actor(actor_id).prompts.take(pos)
+
     def at_risk(self, bound: int) -> int:
         """Outstanding tickets, over every actor, granted on weights ``bound`` or older:
         groups that a step past ``bound + eta`` would make stale before they arrive."""
@@ -254,6 +309,10 @@ class Ledger:
             led.trained = old.trained
             if rolled_back > 0:
                 led.dropped["rolled_back"] += rolled_back
+            # the prompts taken after the checkpoint are not taken any more: their training
+            # was undone (a group for one of them is trained, not a duplicate)
+            led.prompts = PromptRecord(old.prompts.below, set(old.prompts.above),
+                                       led.prompts.duplicates)
             out.actors[i] = led
         return out
 
@@ -276,12 +335,18 @@ class Ledger:
         return byes, byes and all(a.lost() <= 0 for a in self.actors.values())
 
     def summary(self) -> dict:
-        """Per actor: sent, received, trained, dropped by reason, lost, incarnations.
+        """Per actor: sent, received, trained, dropped by reason, lost, incarnations, and
+        its prompts: taken (trained or dropped with a reason), duplicates (dropped, not
+        trained twice) and skipped (below its last stream position, never taken).
         ``sent`` and ``lost`` are -1 for an actor that never said Bye (still open)."""
         return {i: {"sent": a.sent() if a.bye else -1, "received": a.received_total,
                     "trained": a.trained, "dropped": dict(a.dropped),
                     "lost": max(a.lost(), 0) if a.bye else -1,
-                    "incarnations": len(a.sent_by_pid)}
+                    "incarnations": len(a.sent_by_pid),
+                    "prompts": {"taken": a.prompts.taken(),
+                                "duplicates": a.prompts.duplicates,
+                                "skipped": a.prompts.skipped(
+                                    peer_count(a.stats.get("data_pos"), 0))}}
                 for i, a in self.actors.items()}
 
     def not_back(self, now: float) -> list[dict]:

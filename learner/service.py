@@ -256,6 +256,9 @@ class LearnerService:
                                            group.stats.get("ticket_version"),
                                            group.stats.get("ticket_epoch"))
             self.tokens.receive(group)
+            if not self.ledger.take_prompt(group.actor_id, group.stats.get("data_pos")):
+                self._drop(_Held(group, ticketed), "duplicate")  # this prompt came before
+                return
             if not ticketed and not self.filter.reason(self.version, group.min_version()):
                 self.events["untracked"] += 1  # trained without a counted ticket: it takes
                 self.admission.adopt(1)  # a slot (released like a ticket if dropped)
@@ -464,6 +467,7 @@ class LearnerService:
                     self.ledger.receive(group.actor_id, group.stats.get("pid"),
                                         group.stats.get("ticket_version"),
                                         group.stats.get("ticket_epoch"))
+                    self.ledger.take_prompt(group.actor_id, group.stats.get("data_pos"))
                     self.ledger.drop(group.actor_id, "shutdown")
                     self.tokens.receive(group)
                     self.tokens.drop(group, "shutdown")

@@ -166,10 +166,15 @@ def check_ledger(run_dir: Path) -> dict:
             totals[k] += max(led[k], 0)
         for reason, n in led["dropped"].items():
             totals["dropped"][reason] = totals["dropped"].get(reason, 0) + n
+    # per prompt (learner/ledger.py PromptRecord): reported, not yet a check (issue 33)
+    prompts = {k: sum(led.get("prompts", {}).get(k, 0) for led in ledger.values())
+               for k in ("taken", "duplicates", "skipped")}
     return {"ok": not problems, "value": "; ".join(problems) or
             f"sent {totals['sent']} = trained {totals['trained']} + dropped "
             f"{sum(totals['dropped'].values())} {totals['dropped']} + lost {totals['lost']} "
-            f"({totals['incarnations']} incarnations)", **totals}
+            f"({totals['incarnations']} incarnations); prompts: {prompts['taken']} taken, "
+            f"{prompts['duplicates']} duplicates, {prompts['skipped']} skipped",
+            **totals, "prompts": prompts}
 
 
 def check_staleness(run_dir: Path, cfg) -> dict:

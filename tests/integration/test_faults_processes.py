@@ -136,6 +136,11 @@ def test_killed_actor_restarts_and_a_stalled_one_only_loses_its_late_groups(tiny
     check_ledger(ledger)
     assert ledger["0"]["incarnations"] == 2 and ledger["1"]["incarnations"] == 1
     assert ledger["1"]["lost"] == 0
+    # prompts (learner/ledger.py PromptRecord): the restarted actor drew again from its
+    # earliest undelivered prompt; none skipped, and those it had delivered after that one
+    # came twice and were dropped as duplicates, not trained twice
+    assert ledger["0"]["prompts"]["skipped"] == 0 == ledger["1"]["prompts"]["skipped"], ledger
+    assert ledger["0"]["prompts"]["duplicates"] == ledger["0"]["dropped"].get("duplicate", 0)
     assert ledger["1"]["dropped"].get("stale", 0) >= 1, (ledger, stall)  # its late groups
     assert summary["learner"]["admission"]["released_actor_silent"] >= 1
     # the stall's own ticket was released, and its late group (sampled on the weights of

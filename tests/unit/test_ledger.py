@@ -53,7 +53,9 @@ def test_one_actor_by_hand():
     led.bye(0, 6, {"pid": 11})
     assert led.drained() == (True, False)  # 6 sent, 4 arrived
     assert led.summary() == {0: {"sent": 6, "received": 4, "trained": 2,
-                                 "dropped": {"stale": 1}, "lost": 2, "incarnations": 1}}
+                                 "dropped": {"stale": 1}, "lost": 2, "incarnations": 1,
+                                 # no group here carries a stream position (untracked)
+                                 "prompts": {"taken": 0, "duplicates": 0, "skipped": 0}}}
     dropped, per_actor = led.metrics(now=100.0)
     assert dropped == {"stale": 1} and per_actor["actor0/trained"] == 2
     assert per_actor["actor0/silent_s"] == -1.0 and per_actor["actor0/pid"] == 11
@@ -144,7 +146,8 @@ def test_a_stalled_actors_late_groups_are_dropped_stale_and_release_nothing():
     led.mark_trained([1])
     led.bye(1, 3, {"pid": 101})
     assert led.summary()[1] == {"sent": 3, "received": 3, "trained": 1,
-                                "dropped": {"stale": 2}, "lost": 0, "incarnations": 1}
+                                "dropped": {"stale": 2}, "lost": 0, "incarnations": 1,
+                                "prompts": {"taken": 0, "duplicates": 0, "skipped": 0}}
 
 
 # ----------------------------------------------------------------------------- state
@@ -175,7 +178,9 @@ def test_checkpoints_written_before_the_ledger_module_still_load():
            "1": {"pid": 12, "received_total": 0, "trained": 0, "dropped": {},
                  "sent_by_pid": {}, "received_by_pid": {}, "data_pos": None}}
     led = Ledger.from_state(old)
-    assert led.state() == old
+    # the layout then, and an empty record of prompts (added later)
+    assert led.state() == {k: v | {"prompts": {"below": 0, "above": [], "duplicates": 0}}
+                           for k, v in old.items()}
     a = led.actors[0]
     assert (a.pid, a.trained, a.sent(), a.lost(), dict(a.dropped)) == (11, 5, 8, 1, {"stale": 2})
     assert led.data_positions() == {"0": 17}
@@ -487,4 +492,5 @@ def test_an_actor_killed_after_its_last_heartbeat_has_its_lost_groups_counted():
     assert sim.admission.started == sim.expected_started() == 1  # the delivered group
     summary = sim.finish()[0]
     assert summary == {"sent": 3, "received": 1, "trained": 1, "dropped": {}, "lost": 2,
-                       "incarnations": 2}
+                       "incarnations": 2,
+                       "prompts": {"taken": 0, "duplicates": 0, "skipped": 0}}

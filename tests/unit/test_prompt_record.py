@@ -1,0 +1,105 @@
+"""The learner's record of prompts per actor (learner/ledger.py ``PromptRecord``): every
+group's stream position is taken once; a second group for a taken position (a restarted
+actor drawing again the prompts it delivered after its earliest undelivered one) is
+dropped as "duplicate" and never trained; positions below the actor's stream position
+that were never taken are counted as skipped; a learner that resumes from a checkpoint
+forgets the prompts taken after it (their training was undone)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from arpo_async.core import protocol as P
+from arpo_async.core.config import config_from_dict
+from learner.ledger import Ledger, PromptRecord
+from learner.service import LearnerService
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 60), max_size=200))
+def test_each_position_is_taken_once_whatever_the_order(positions):
+    rec = PromptRecord()
+    fresh = [rec.take(p) for p in positions]
+    assert sum(fresh) == len(set(positions)) == rec.taken()
+    assert rec.duplicates == len(positions) - len(set(positions))
+    for upto in (0, 10, 61, 100):
+        assert rec.skipped(upto) == len(set(range(upto)) - set(positions))
+    assert rec.below == next(i for i in range(62) if i not in set(positions))
+    again = PromptRecord.from_state(rec.to_state())
+    assert again == rec
+
+
+def test_a_restarted_actors_repeated_prompts_are_duplicates_not_skips():
+    """Actor 0 delivers 0..9 out of order (5 still in flight when it dies), restarts at
+    its earliest undelivered position (5) and delivers 5..14: 6..9 come twice."""
+    ledger = Ledger()
+    first = [0, 1, 2, 3, 4, 6, 7, 8, 9]
+    second = list(range(5, 15))
+    took = [ledger.take_prompt(0, float(p)) for p in first + second]
+    assert took == [True] * 9 + [True, False, False, False, False] + [True] * 5
+    ledger.actor(0).stats["data_pos"] = 15.0
+    assert ledger.summary()[0]["prompts"] == {"taken": 15, "duplicates": 4, "skipped": 0}
+    # a group without a position (an older actor, an evaluation) is not tracked
+    assert ledger.take_prompt(0, None) and ledger.take_prompt(0, float("nan"))
+
+
+def test_resuming_from_a_checkpoint_forgets_the_prompts_taken_after_it():
+    ledger = Ledger()
+    for p in range(6):
+        ledger.receive(0, 100.0)
+        ledger.take_prompt(0, float(p))
+    ledger.mark_trained([0] * 6)
+    ckpt = ledger.state()  # positions 0..5 trained
+    for p in range(6, 10):
+        ledger.receive(0, 100.0)
+        ledger.take_prompt(0, float(p))
+    ledger.mark_trained([0] * 4)
+    ledger.actor(0).stats["data_pos"] = 10.0
+    resumed = Ledger.from_state(ckpt, newer=ledger.state())
+    summary = resumed.summary()[0]
+    assert summary["dropped"] == {"rolled_back": 4}
+    # 6..9 were trained and rolled back: not taken now, so counted skipped unless a group
+    # brings them again, which is then trained, not dropped as a duplicate
+    assert summary["prompts"] == {"taken": 6, "duplicates": 0, "skipped": 4}
+    assert resumed.take_prompt(0, 7.0) and not resumed.take_prompt(0, 3.0)
+
+
+def _group(gid: str, pos: int, pid: int = 100) -> P.TrajectoryGroup:
+    n = 6
+    leaf = P.Trajectory(tokens=np.arange(10, 10 + n, dtype=np.int32),
+                        loss_mask=np.ones(n, np.uint8), logprobs=np.full(n, -0.5, np.float32),
+                        versions=np.zeros(n, np.int32))
+    return P.TrajectoryGroup(gid, 0, f"p{pos}", np.arange(1, 5, dtype=np.int32), [leaf],
+                             stats={"pid": float(pid), "ticket_version": 0.0,
+                                    "data_pos": float(pos)})
+
+
+@pytest.fixture
+def service(tmp_path):
+    cfg = config_from_dict({"run": {"dir": str(tmp_path)}, "actors": {"num": 1},
+                            "learner": {"batch_groups": 2, "max_staleness": 1}})
+    svc = LearnerService(cfg, vocab_size=4096)
+    assert svc._handle(P.Hello(0, pid=100), b"").ok
+    yield svc
+    svc.control.stop()
+    svc.receiver.close()
+
+
+def test_the_learner_trains_a_prompt_once_and_releases_the_duplicates_ticket(service):
+    granted = service._handle(P.TicketRequest(0, 0, 4), b"").granted
+    assert granted == 4
+    started = service.admission.started
+    pos = {"a": 0, "b": 1, "a2": 0, "c": 2}  # a2: prompt 0 again
+    for gid in ("a", "b", "a2", "c"):
+        service._accept(_group(gid, pos[gid]))
+    held = [h.group.group_id for h in service.held]
+    assert len(held) == 3 and {pos[g] for g in held} == {0, 1, 2}, held
+    led = service.ledger.summary()[0]
+    assert led["received"] == 4 and led["dropped"] == {"duplicate": 1}
+    assert led["prompts"]["duplicates"] == 1 and led["prompts"]["taken"] == 3
+    assert service.tokens.figures()["dropped"] == {"duplicate": 6}
+    # its ticket was released: the actor may have one more group in its place
+    assert service.admission.started == started - 1
