@@ -198,7 +198,9 @@ class Actor:
             log.warning("actor %d: %s: stopping with a ticket held, on v%d", self.actor_id,
                         FAULT_STOP_AFTER_GRANT, self.engine.version)
             os.killpg(os.getpgrp(), signal.SIGSTOP)  # a test sends SIGCONT
-        group = await self.rollout.run(self.source.next(), self.actor_id)
+        prompt = self.source.next()  # past prompts too long for the model (counted)
+        end = self.source.position  # this group's positions: [pos, end)
+        group = await self.rollout.run(prompt, self.actor_id)
         # the actor's own figures next to the rollout's (branch/*), never instead of them
         if self._hold is not None:
             (hold_s, *until), self._hold = self._hold, None
@@ -210,6 +212,7 @@ class Actor:
                 await asyncio.sleep(0.1)
         group.stats = {**group.stats, "gen_s": time.time() - group.created_at,
                        "pid": float(os.getpid()), "data_pos": float(pos),
+                       "data_end": float(end),
                        "ticket_version": float(ticket[0]), "ticket_epoch": float(ticket[1])}
         await self.sender.send(group)  # stamps sent_at
         self._in_flight.discard(pos)

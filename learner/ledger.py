@@ -38,6 +38,9 @@ def peer_count(value, default: int) -> int:
     return default
 
 
+MAX_SPAN = 4096  # most stream positions one group may claim (a peer's absurd span is one)
+
+
 @dataclass
 class PromptRecord:
     """The stream positions (``stats["data_pos"]`` of a group: the prompt's index in the
@@ -54,12 +57,15 @@ class PromptRecord:
     above: set = field(default_factory=set)
     duplicates: int = 0
 
-    def take(self, pos: int) -> bool:
-        """Record position ``pos``; False (and counted) when it was taken already."""
-        if pos < self.below or pos in self.above:
+    def take(self, pos: int, end: int | None = None) -> bool:
+        """Record positions ``[pos, end)`` (``end``: ``pos + 1`` when None; more when the
+        actor passed over prompts too long for the model, which it counted); False (and
+        counted) when one of them was taken already."""
+        span = range(pos, end if end is not None and end > pos else pos + 1)
+        if any(p < self.below or p in self.above for p in span):
             self.duplicates += 1
             return False
-        self.above.add(pos)
+        self.above.update(span)
         while self.below in self.above:
             self.above.remove(self.below)
             self.below += 1
@@ -253,12 +259,15 @@ class Ledger:
         return led.take_ticket(pid, peer_count(ticket_version_stat, -1),
                                peer_count(ticket_epoch_stat, -1))
 
-    def take_prompt(self, actor_id: int, data_pos_stat) -> bool:
-        """Record the prompt of a group that arrived (``data_pos_stat``: its
-        ``stats["data_pos"]``); False for a duplicate, which the caller drops
-        ("duplicate"). A group without a position is not tracked (True)."""
+    def take_prompt(self, actor_id: int, data_pos_stat, data_end_stat=None) -> bool:
+        """Record the prompt of a group that arrived (``data_pos_stat``,
+        ``data_end_stat``: its ``stats["data_pos"]`` and ``["data_end"]``); False for a
+        duplicate, which the caller drops ("duplicate"). A group without a position is not
+        tracked (True); a span past ``MAX_SPAN`` positions counts as one."""
         pos = peer_count(data_pos_stat, -1)
-        return pos < 0 or self.actor(actor_id).prompts.take(pos)
+        end = peer_count(data_end_stat, -1)
+        end = end if pos < end <= pos + MAX_SPAN else None
+        return pos < 0 or self.actor(actor_id).prompts.take(pos, end)
 
     def at_risk(self, bound: int) -> int:
         """Outstanding tickets, over every actor, granted on weights ``bound`` or older:

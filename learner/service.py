@@ -256,7 +256,8 @@ class LearnerService:
                                            group.stats.get("ticket_version"),
                                            group.stats.get("ticket_epoch"))
             self.tokens.receive(group)
-            if not self.ledger.take_prompt(group.actor_id, group.stats.get("data_pos")):
+            if not self.ledger.take_prompt(group.actor_id, group.stats.get("data_pos"),
+                                           group.stats.get("data_end")):
                 self._drop(_Held(group, ticketed), "duplicate")  # this prompt came before
                 return
             if not ticketed and not self.filter.reason(self.version, group.min_version()):
@@ -467,7 +468,8 @@ class LearnerService:
                     self.ledger.receive(group.actor_id, group.stats.get("pid"),
                                         group.stats.get("ticket_version"),
                                         group.stats.get("ticket_epoch"))
-                    self.ledger.take_prompt(group.actor_id, group.stats.get("data_pos"))
+                    self.ledger.take_prompt(group.actor_id, group.stats.get("data_pos"),
+                                            group.stats.get("data_end"))
                     self.ledger.drop(group.actor_id, "shutdown")
                     self.tokens.receive(group)
                     self.tokens.drop(group, "shutdown")

@@ -46,6 +46,17 @@ def test_a_restarted_actors_repeated_prompts_are_duplicates_not_skips():
     assert ledger.take_prompt(0, None) and ledger.take_prompt(0, float("nan"))
 
 
+def test_a_group_past_prompts_too_long_takes_their_positions_too():
+    """An actor that passed over prompts too long for the model (counted there) sends the
+    group with its span [data_pos, data_end): those positions are not skipped."""
+    ledger = Ledger()
+    assert ledger.take_prompt(0, 0.0, 1.0) and ledger.take_prompt(0, 1.0, 4.0)
+    assert not ledger.take_prompt(0, 2.0, 3.0)  # inside a span taken: a duplicate
+    assert ledger.take_prompt(0, 4.0, 2.0**40)  # an absurd span counts as one position
+    ledger.actor(0).stats["data_pos"] = 5.0
+    assert ledger.summary()[0]["prompts"] == {"taken": 5, "duplicates": 1, "skipped": 0}
+
+
 def test_resuming_from_a_checkpoint_forgets_the_prompts_taken_after_it():
     ledger = Ledger()
     for p in range(6):
