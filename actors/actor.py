@@ -73,6 +73,16 @@ def _fault_stop_version(actor_id: int) -> int | None:
     return None if value is None else int(value)
 
 
+def redo_positions(below: int, above, upto: int, pending) -> list[int]:
+    """The stream positions under ``upto`` that a learner holding every position below
+    ``below`` and those in ``above`` lacks, less ``pending`` (in flight or queued);
+    [] when ``below`` is -1 (the learner does not know)."""
+    if below < 0:
+        return []
+    have = set(above) | set(pending)
+    return [p for p in range(below, upto) if p not in have]
+
+
 class Actor:
     def __init__(self, cfg, actor_id: int, engine: GenerationEngine, rollout: Rollout,
                  source: PromptSource, sender: TrajectorySender, control: ControlClient,
@@ -94,6 +104,11 @@ class Actor:
         self.started = time.time()
         self._weights_lock = asyncio.Lock()
         self._in_flight: set[int] = set()  # stream positions of prompts not yet delivered
+        # positions of prompts this actor delivered that the learner does not have (it
+        # resumed from a checkpoint, or they were lost on the way): drawn again first
+        self._redo: list[int] = []
+        self.redone = 0
+        self.control.on_hello = self._plan_redo
         self._probe_path = Path(cfg.run.dir) / f"actor{actor_id}_probe.jsonl"
         self._stop_at = _fault_stop_version(actor_id)
         hold = _fault_spec(FAULT_HOLD_FIRST_GROUP, actor_id)
@@ -186,10 +201,37 @@ class Actor:
             return asked_on, grant.epoch
         return None
 
+    def _plan_redo(self, ack: P.Ack) -> None:
+        """The learner's reply to a Hello says which of this actor's prompts it has;
+        those delivered (below the stream position, not in flight) that it lacks are
+        drawn again, first. A group it has after all comes twice and is dropped there
+        as a duplicate: drawing too much costs generation, never a second training."""
+        redo = redo_positions(ack.prompts_below, ack.prompts_above, self.source.position,
+                              self._in_flight | set(self._redo))
+        redo = [p for p in redo if self.source.prompt_at(p) is not None]
+        if redo:
+            self._redo = sorted(set(self._redo) | set(redo))
+            log.warning("actor %d: the learner lacks %d of the prompts this actor delivered "
+                        "(positions %d..%d): drawing them again", self.actor_id, len(redo),
+                        redo[0], redo[-1])
+
+    def _draw(self) -> tuple[int, int, object]:
+        """(position, end, prompt) of the next group: a prompt to draw again first, else
+        the stream's next (past prompts too long for the model: [position, end))."""
+        while self._redo:
+            pos = self._redo.pop(0)
+            prompt = self.source.prompt_at(pos)
+            if prompt is not None:
+                self.redone += 1
+                return pos, pos + 1, prompt
+        pos = self.source.position
+        prompt = self.source.next()
+        return pos, self.source.position, prompt
+
     async def _group(self, ticket: tuple[int, int]) -> None:
         """Generate the next prompt's group and send it. Its first trajectories count
         as generating before this coroutine first waits (``Rollout.run``)."""
-        pos = self.source.position
+        pos, end, prompt = self._draw()
         self._in_flight.add(pos)
         log.debug("actor %d: group at stream position %d started on v%d", self.actor_id, pos,
                   self.engine.version)
@@ -198,8 +240,6 @@ class Actor:
             log.warning("actor %d: %s: stopping with a ticket held, on v%d", self.actor_id,
                         FAULT_STOP_AFTER_GRANT, self.engine.version)
             os.killpg(os.getpgrp(), signal.SIGSTOP)  # a test sends SIGCONT
-        prompt = self.source.next()  # past prompts too long for the model (counted)
-        end = self.source.position  # this group's positions: [pos, end)
         group = await self.rollout.run(prompt, self.actor_id)
         # the actor's own figures next to the rollout's (branch/*), never instead of them
         if self._hold is not None:
@@ -261,6 +301,7 @@ class Actor:
                "elapsed_s": elapsed, "send_blocked_s": getattr(self.sender, "blocked_s", 0.0),
                # restart bookkeeping (learner/service.py): incarnation and data position
                "pid": float(os.getpid()), "data_pos": float(self.data_position()),
+               "prompts_redone": float(self.redone),
                "prompts_skipped_too_long": self.source.skipped_long}
         occupancy = getattr(self.rollout, "occupancy", None)
         if occupancy is not None:
@@ -276,8 +317,9 @@ class Actor:
         return out
 
     def data_position(self) -> int:
-        """The earliest stream position not yet delivered: where a restart continues."""
-        return min(self._in_flight) if self._in_flight else self.source.position
+        """The earliest stream position not yet delivered (in flight, or to draw again):
+        where a restart continues."""
+        return min([*self._in_flight, *self._redo[:1], self.source.position])
 
     async def run(self) -> None:
         start = saved_position(self.cfg.run.dir, self.actor_id)

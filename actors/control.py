@@ -45,6 +45,8 @@ class ResilientControl:
         self.version, self.patience_s = version, patience_s
         self.learner_version = -1  # newest version the learner said it publishes
         self._lost_contact = False  # a request timed out: say Hello when it answers again
+        # called with the learner's reply to every Hello (the prompts it has: actors/actor.py)
+        self.on_hello: Callable[[Any], None] | None = None
 
     @property
     def endpoint(self) -> str:
@@ -67,6 +69,11 @@ class ResilientControl:
                 log.info("actor %d: waiting for the learner at %s", self.actor_id,
                          self.endpoint)
         self.learner_version = ack.learner_version
+        self._heard(ack)
+
+    def _heard(self, reply: Any) -> None:
+        if self.on_hello is not None and isinstance(reply, P.Ack) and reply.ok:
+            self.on_hello(reply)
 
     async def request(self, msg: Any) -> Any:
         """The learner's reply to ``msg``, however many tries it takes; TransportTimeout
@@ -89,6 +96,7 @@ class ResilientControl:
         said = getattr(reply, "learner_version", None)
         if isinstance(msg, P.Hello) and said is not None:
             self.learner_version = said
+            self._heard(reply)
         elif said is not None:
             self.learner_version = max(self.learner_version, said)
         if getattr(reply, "reason", "") == P.AckReason.HELLO_REQUIRED:

@@ -56,6 +56,7 @@ class PromptRecord:
     below: int = 0
     above: set = field(default_factory=set)
     duplicates: int = 0
+    known: bool = True  # False: restored from a checkpoint that predates the record
 
     def take(self, pos: int, end: int | None = None) -> bool:
         """Record positions ``[pos, end)`` (``end``: ``pos + 1`` when None; more when the
@@ -75,17 +76,22 @@ class PromptRecord:
         return self.below + len(self.above)
 
     def skipped(self, upto: int) -> int:
-        """Positions below ``upto`` never taken."""
+        """Positions below ``upto`` never taken (-1: not known)."""
+        if not self.known:
+            return -1
         return max(upto - self.below, 0) - sum(1 for p in self.above if p < upto)
 
     def to_state(self) -> dict:
-        return {"below": self.below, "above": sorted(self.above),
-                "duplicates": self.duplicates}
+        out = {"below": self.below, "above": sorted(self.above),
+               "duplicates": self.duplicates}
+        return out if self.known else out | {"known": False}
 
     @classmethod
     def from_state(cls, d: dict | None) -> PromptRecord:
-        d = d or {}
-        out = cls(below=int(d.get("below", 0)), duplicates=int(d.get("duplicates", 0)))
+        if d is None:  # a checkpoint written before the record existed
+            return cls(known=False)
+        out = cls(below=int(d.get("below", 0)), duplicates=int(d.get("duplicates", 0)),
+                  known=bool(d.get("known", True)))
         out.above = {int(p) for p in d.get("above", []) if int(p) >= out.below}
         return out
 
@@ -269,6 +275,12 @@ class Ledger:
         end = end if pos < end <= pos + MAX_SPAN else None
         return pos < 0 or self.actor(actor_id).prompts.take(pos, end)
 
+    def prompts_held(self, actor_id: int) -> tuple[int, list[int]]:
+        """For the reply to an actor's Hello: the positions of its prompts taken, as
+        (every one below, those above), or (-1, []) when not known."""
+        rec = self.actor(actor_id).prompts
+        return (rec.below, sorted(rec.above)) if rec.known else (-1, [])
+
     def at_risk(self, bound: int) -> int:
         """Outstanding tickets, over every actor, granted on weights ``bound`` or older:
         groups that a step past ``bound + eta`` would make stale before they arrive."""
@@ -321,7 +333,7 @@ class Ledger:
             # the prompts taken after the checkpoint are not taken any more: their training
             # was undone (a group for one of them is trained, not a duplicate)
             led.prompts = PromptRecord(old.prompts.below, set(old.prompts.above),
-                                       led.prompts.duplicates)
+                                       led.prompts.duplicates, old.prompts.known)
             out.actors[i] = led
         return out
 

@@ -188,8 +188,8 @@ class LearnerService:
             if hasattr(msg, "actor_id"):
                 self.ledger.actor(msg.actor_id).last_seen = time.time()
             if isinstance(msg, P.Hello):
-                self._hello(msg)
-            elif isinstance(msg, P.Heartbeat):
+                return self._hello(msg)
+            if isinstance(msg, P.Heartbeat):
                 if not self.ledger.heartbeat(msg.actor_id, msg.version, msg.stats):
                     return P.Ack(ok=False, reason=P.AckReason.HELLO_REQUIRED,
                                  learner_version=self.published)
@@ -198,7 +198,7 @@ class LearnerService:
                 log.info("actor %d said bye after %d groups", msg.actor_id, msg.groups_sent)
             return P.Ack(ok=True, learner_version=self.published)
 
-    def _hello(self, msg: P.Hello) -> None:
+    def _hello(self, msg: P.Hello) -> P.Ack:
         # A restarted actor's tickets are void. The same process saying Hello again lost
         # us for a while: ticket requests it retried may have been granted twice, and only
         # it knows; what is outstanding is released and its groups in flight arrive as
@@ -209,6 +209,9 @@ class LearnerService:
                 self.admission.release(voided, f"actor_{kind}")
             self.events[f"actor_{kind}s"] += 1
         log.info("actor %d connected (pid %d, version %d)", msg.actor_id, msg.pid, msg.version)
+        below, above = self.ledger.prompts_held(msg.actor_id)
+        return P.Ack(ok=True, learner_version=self.published, prompts_below=below,
+                     prompts_above=above)
 
     def _ticket(self, msg: P.TicketRequest) -> P.TicketGrant:
         led = self.ledger.actor(msg.actor_id)

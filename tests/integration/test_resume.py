@@ -228,5 +228,15 @@ def test_killed_learner_resumes_from_its_checkpoint_and_actors_reconnect(tiny_mo
     assert any(led["dropped"].get("rolled_back", 0) for led in ledger.values())
     actor_log = (run_dir / "logs" / "actor0.log").read_text()
     assert "said hello again" in actor_log
+    # prompts (learner/ledger.py PromptRecord): those rolled back, held by the dead
+    # learners or lost on the way to them were drawn again by the actors (the restored
+    # learners' Hello replies said which): none skipped, none trained twice
+    for actor, led in ledger.items():
+        assert led["prompts"]["skipped"] == 0, (actor, led)
+        assert led["prompts"]["duplicates"] == led["dropped"].get("duplicate", 0), led
+    redone = [line for a in (0, 1)
+              for line in (run_dir / "logs" / f"actor{a}.log").read_text().splitlines()
+              if "drawing them again" in line]
+    assert redone, "no actor drew a prompt again"
     print(f"\nresume: learner killed after {kill1} rows (resumed at {ckpt1}), launcher+learner "
           f"killed after {kill2} rows (resumed at {ckpt2}); ledger {json.dumps(ledger)}")

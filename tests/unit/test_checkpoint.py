@@ -214,6 +214,21 @@ def test_seek_continues_the_stream_exactly(tokenizer):
         whole.seek(-1)
 
 
+def test_prompt_at_is_the_prompt_the_stream_draws_there(tokenizer):
+    """An actor draws again a prompt the learner lost (actors/actor.py ``_plan_redo``):
+    ``prompt_at(p)`` is the prompt ``next`` drew at position p, over several epochs, in
+    any order, without moving the stream."""
+    cfg = load_config(SPINE_CONFIG, ["task.num_prompts=7"])
+    whole = PromptSource(cfg, tokenizer, stream=3)
+    ids = [whole.next().id for _ in range(30)]
+    src = PromptSource(cfg, tokenizer, stream=3)
+    for p in (29, 0, 13, 7, 6, 21, 14, 28, 1):
+        assert src.prompt_at(p).id == ids[p], p
+    assert src.position == 0 and src.next().id == ids[0]
+    with pytest.raises(ValueError, match="position"):
+        src.prompt_at(-1)
+
+
 def test_saved_position_reads_the_run_state(tmp_path):
     assert saved_position(tmp_path, 0) == 0
     F.atomic_write_json(tmp_path / R.RUN_STATE, {"data_position": {"0": 12, "1": 3}})

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from arpo_async.core.staleness import Admission, StalenessFilter
-from learner.ledger import ActorLedger, Ledger, peer_count
+from learner.ledger import ActorLedger, Ledger, PromptRecord, peer_count
 
 
 def _round_trip(state: dict) -> dict:
@@ -178,13 +178,16 @@ def test_checkpoints_written_before_the_ledger_module_still_load():
            "1": {"pid": 12, "received_total": 0, "trained": 0, "dropped": {},
                  "sent_by_pid": {}, "received_by_pid": {}, "data_pos": None}}
     led = Ledger.from_state(old)
-    # the layout then, and an empty record of prompts (added later)
-    assert led.state() == {k: v | {"prompts": {"below": 0, "above": [], "duplicates": 0}}
-                           for k, v in old.items()}
+    # the layout then, and a record of prompts (added later) marked as not known: the
+    # learner cannot tell actors which prompts it has (learner/ledger.py PromptRecord)
+    unknown = {"below": 0, "above": [], "duplicates": 0, "known": False}
+    assert led.state() == {k: v | {"prompts": unknown} for k, v in old.items()}
+    assert led.prompts_held(0) == (-1, []) and led.summary()[0]["prompts"]["skipped"] == -1
     a = led.actors[0]
     assert (a.pid, a.trained, a.sent(), a.lost(), dict(a.dropped)) == (11, 5, 8, 1, {"stale": 2})
     assert led.data_positions() == {"0": 17}
-    assert Ledger.from_state({"2": {}}).actors[2] == ActorLedger()  # fields added later
+    assert Ledger.from_state({"2": {}}).actors[2] == ActorLedger(  # fields added later
+        prompts=PromptRecord(known=False))
 
 
 def test_a_newer_run_state_counts_training_after_the_checkpoint_as_rolled_back():

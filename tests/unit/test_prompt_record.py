@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from arpo_async.core import protocol as P
 from arpo_async.core.config import config_from_dict
+from actors.actor import redo_positions
 from learner.ledger import Ledger, PromptRecord
 from learner.service import LearnerService
 
@@ -114,3 +115,30 @@ def test_the_learner_trains_a_prompt_once_and_releases_the_duplicates_ticket(ser
     assert service.tokens.figures()["dropped"] == {"duplicate": 6}
     # its ticket was released: the actor may have one more group in its place
     assert service.admission.started == started - 1
+
+
+def test_an_actor_draws_again_what_the_learner_lacks_and_nothing_else():
+    # the learner has 0..4 and 7; the actor is at 10 with 8 in flight and 9 queued
+    assert redo_positions(5, [7], 10, {8, 9}) == [5, 6]
+    assert redo_positions(10, [], 10, set()) == []
+    assert redo_positions(-1, [], 10, set()) == []  # a learner that does not know
+
+
+def test_a_hello_is_answered_with_the_prompts_the_restored_learner_has(service):
+    """The learner resumed from a checkpoint taken after prompts 0..2 of actor 0; it had
+    taken 3..5 since (rolled back with the restore): the actor's Hello learns 0..2."""
+    ckpt = Ledger()
+    for p in range(3):
+        ckpt.take_prompt(0, float(p))
+    newer = Ledger.from_state(ckpt.state())
+    for p in range(3, 6):
+        newer.take_prompt(0, float(p))
+    service.restore(1, ckpt.state(), newer.state())
+    ack = service._handle(P.Hello(0, pid=200), b"")
+    assert ack.ok and (ack.prompts_below, ack.prompts_above) == (3, [])
+    assert redo_positions(ack.prompts_below, ack.prompts_above, 6, set()) == [3, 4, 5]
+    # a checkpoint that predates the record: the learner does not know, the actor redoes
+    # nothing
+    service.restore(1, {"0": {"pid": 100, "trained": 3}})
+    ack = service._handle(P.Hello(0, pid=201), b"")
+    assert (ack.prompts_below, ack.prompts_above) == (-1, [])

@@ -135,6 +135,23 @@ class PromptSource:
         for _ in range(self.epoch + 1):  # the permutations of every epoch so far, in order
             self.order = self.rng.permutation(len(self.items))
 
+    def prompt_at(self, position: int) -> Prompt | None:
+        """The prompt ``next`` drew (or will draw) at stream ``position``, without moving
+        the stream; None where that prompt is longer than ``max_tokens`` (``next`` passes
+        over it). For an actor drawing again a prompt the learner lost."""
+        if position < 0:
+            raise ValueError(f"prompt_at: position must be >= 0, got {position}")
+        epoch, index = divmod(position, len(self.items))
+        orders = self.__dict__.setdefault("_orders", {})
+        if epoch not in orders:
+            rng = np.random.default_rng(self._seed)
+            for e in range(epoch + 1):  # the permutations in the order next() makes them
+                order = rng.permutation(len(self.items))
+                if e >= epoch - 1:  # keep this epoch and the one before
+                    orders[e] = order
+        prompt = self.items[int(orders[epoch][index])]
+        return None if self.too_long(prompt) else prompt
+
     def score(self, response: str, prompt: Prompt) -> tuple[float, float]:
         """(reward, correctness) of one response."""
         if prompt.kind == "arith":

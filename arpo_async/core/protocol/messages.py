@@ -190,6 +190,12 @@ class Ack:
     ok: bool = True
     reason: str = ""
     learner_version: int = -1
+    # the reply to a Hello: the stream positions of this actor's prompts the learner has
+    # (learner/ledger.py PromptRecord: every one below ``prompts_below`` and those in
+    # ``prompts_above``); the actor draws again those it delivered that are missing.
+    # -1: not known (the learner resumed a checkpoint that predates the record)
+    prompts_below: int = -1
+    prompts_above: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -205,6 +205,11 @@ def _build(cls: type, body: dict) -> Any:
             _check(isinstance(val, list) and all(isinstance(v, str) for v in val),
                    "bad_field", f"{f.name}: expected a list of strings")
             kwargs[f.name] = val
+        elif str(f.type) == "list[int]":
+            val = body[f.name]
+            _check(isinstance(val, list) and all(type(x) is int and x >= 0 for x in val),
+                   "bad_field", f"{f.name}: expected a list of non-negative integers")
+            kwargs[f.name] = val
         elif str(f.type) == "list[list[int]]":
             val = body[f.name]
             _check(isinstance(val, list) and all(
