@@ -10,6 +10,7 @@ the group is joined), so the log names the machine to look at."""
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import socket
@@ -40,6 +41,9 @@ def init_distributed(cfg=None) -> None:
 
     deadline = cfg.learner.collective_deadline_s if cfg is not None else 1800.0
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=deadline))
+    # every process that joins leaves before the interpreter's teardown (close_distributed),
+    # scripts and tests included; a failed rank leaves through exit_after_failure instead
+    atexit.register(close_distributed)
 
 
 def close_distributed() -> None:

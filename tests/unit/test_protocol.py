@@ -167,25 +167,36 @@ def _bits(t: torch.Tensor) -> bytes:
 
 def conforms(value, typ: str) -> bool:
     """Does a decoded field hold what its dataclass annotation declares?"""
-    checks = {
-        "int": lambda v: type(v) is int, "float": lambda v: type(v) is float,
-        "str": lambda v: type(v) is str, "bool": lambda v: type(v) is bool,
-        "np.ndarray": lambda v: isinstance(v, np.ndarray),
-        "dict[str, float]": lambda v: isinstance(v, dict) and all(
-            type(k) is str and type(x) is float for k, x in v.items()),
-        "dict[str, int]": lambda v: isinstance(v, dict) and all(
-            type(k) is str and type(x) is int for k, x in v.items()),
-        "dict[str, Any]": lambda v: isinstance(v, dict) and all(  # TENSORS fields
-            type(k) is str and isinstance(x, torch.Tensor) for k, x in v.items()),
-        "list[str]": lambda v: isinstance(v, list) and all(type(x) is str for x in v),
-        "list[list[int]]": lambda v: isinstance(v, list) and all(
-            isinstance(x, list) and all(type(i) is int for i in x) for x in v),
-        "list[list[float]]": lambda v: isinstance(v, list) and all(
-            isinstance(x, list) and all(type(i) is float for i in x) for x in v),
-        "list[Trajectory]": lambda v: isinstance(v, list) and all(
-            isinstance(x, P.Trajectory) and all_fields_conform(x) for x in v),
-    }
-    return checks[typ](value)
+    return CONFORMS[typ](value)
+
+
+CONFORMS = {
+    "int": lambda v: type(v) is int, "float": lambda v: type(v) is float,
+    "str": lambda v: type(v) is str, "bool": lambda v: type(v) is bool,
+    "np.ndarray": lambda v: isinstance(v, np.ndarray),
+    "dict[str, float]": lambda v: isinstance(v, dict) and all(
+        type(k) is str and type(x) is float for k, x in v.items()),
+    "dict[str, int]": lambda v: isinstance(v, dict) and all(
+        type(k) is str and type(x) is int for k, x in v.items()),
+    "dict[str, Any]": lambda v: isinstance(v, dict) and all(  # TENSORS fields
+        type(k) is str and isinstance(x, torch.Tensor) for k, x in v.items()),
+    "list[str]": lambda v: isinstance(v, list) and all(type(x) is str for x in v),
+    "list[int]": lambda v: isinstance(v, list) and all(type(x) is int for x in v),
+    "list[list[int]]": lambda v: isinstance(v, list) and all(
+        isinstance(x, list) and all(type(i) is int for i in x) for x in v),
+    "list[list[float]]": lambda v: isinstance(v, list) and all(
+        isinstance(x, list) and all(type(i) is float for i in x) for x in v),
+    "list[Trajectory]": lambda v: isinstance(v, list) and all(
+        isinstance(x, P.Trajectory) and all_fields_conform(x) for x in v),
+}
+
+
+def test_every_field_type_of_every_message_has_a_conformance_check():
+    """The hostile-frame tests below check decoded fields with ``conforms``; a field type
+    missing there would fail only when a mangled frame happens to decode."""
+    types = {str(f.type) for cls in [*P.MESSAGES.values(), P.Trajectory]
+             for f in dataclasses.fields(cls)}
+    assert types <= set(CONFORMS), sorted(types - set(CONFORMS))
 
 
 def all_fields_conform(msg) -> bool:
