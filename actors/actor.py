@@ -218,12 +218,10 @@ class Actor:
     def _draw(self) -> tuple[int, int, object]:
         """(position, end, prompt) of the next group: a prompt to draw again first, else
         the stream's next (past prompts too long for the model: [position, end))."""
-        while self._redo:
+        if self._redo:  # each fits the model (_plan_redo keeps only those)
             pos = self._redo.pop(0)
-            prompt = self.source.prompt_at(pos)
-            if prompt is not None:
-                self.redone += 1
-                return pos, pos + 1, prompt
+            self.redone += 1
+            return pos, pos + 1, self.source.prompt_at(pos)
         pos = self.source.position
         prompt = self.source.next()
         return pos, self.source.position, prompt

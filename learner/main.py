@@ -22,7 +22,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="continue from the newest checkpoint in RUN_DIR/checkpoints")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    from learner.dist import close_distributed
     from learner.loop import LearnerLoop  # it imports torch: not for --help
 
     cfg = load_config(args.config)
@@ -30,8 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     loop = None
     try:
         loop = LearnerLoop(cfg, resume=args.resume)
-        loop.run()
-        close_distributed()
+        loop.run()  # the process group is left at exit (learner/dist.py init_distributed)
     except Exception as exc:  # one line naming rank and hosts, then the traceback
         from learner.dist import exit_after_failure, failure_line
 

@@ -166,9 +166,8 @@ def check_ledger(run_dir: Path) -> dict:
             totals[k] += max(led[k], 0)
         for reason, n in led["dropped"].items():
             totals["dropped"][reason] = totals["dropped"].get(reason, 0) + n
-    # per prompt (learner/ledger.py PromptRecord): reported, not yet a check (issue 33)
-    prompts = {k: sum(led.get("prompts", {}).get(k, 0) for led in ledger.values())
-               for k in ("taken", "duplicates", "skipped")}
+    # per prompt (learner/ledger.py PromptRecord): reported here, not checked
+    prompts = summary.get("prompts") or {"taken": 0, "duplicates": 0, "skipped": 0}
     return {"ok": not problems, "value": "; ".join(problems) or
             f"sent {totals['sent']} = trained {totals['trained']} + dropped "
             f"{sum(totals['dropped'].values())} {totals['dropped']} + lost {totals['lost']} "

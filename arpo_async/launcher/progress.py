@@ -85,11 +85,8 @@ class Progress:
         keys = ("status", "steps", "policy_version", "wall_time_s", "step_time_s_mean",
                 "broadcast_time_s_mean", "reward_mean_last")
         print("summary: " + ", ".join(f"{k}={summary.get(k)}" for k in keys), flush=True)
-        prompts = [led.get("prompts") for led in summary.get("ledger", {}).values()]
-        prompts = [p for p in prompts if isinstance(p, dict)]
-        if prompts:  # learner/ledger.py PromptRecord
-            total = {k: sum(p.get(k, 0) for p in prompts)
-                     for k in ("taken", "duplicates", "skipped")}
+        total = summary.get("prompts")
+        if total:  # learner/ledger.py PromptRecord
             print(f"prompts: {total['taken']} taken (trained or dropped with a reason), "
                   f"{total['duplicates']} duplicates dropped, {total['skipped']} skipped",
                   flush=True)

@@ -420,12 +420,20 @@ def run_summary(cfg: Config, roles: list[Role], status: str, reason: str, wall: 
         "restarts": {r.name: r.restarts for r in roles},
         "adopted": [r.name for r in roles if any(h["event"] == "adopt" for h in r.history)],
         "ledger": learner.get("ledger", {}), "learner": learner.get("service", {}),
+        # per prompt over all actors (learner/ledger.py PromptRecord)
+        "prompts": prompt_totals(learner.get("ledger", {})),
         # model tokens received, trained, dropped by reason; KS of trained vs received
         # group lengths (learner/tokens.py)
         "tokens": learner.get("service", {}).get("tokens", {}),
         # actors that never said Bye, e.g. on a host that vanished (learner/ledger.py)
         "actors_not_back": learner.get("actors_not_back", []),
     }
+
+
+def prompt_totals(ledger: dict) -> dict:
+    """Prompts taken, duplicates dropped and skipped, summed over the ledger's actors."""
+    return {k: sum(led.get("prompts", {}).get(k, 0) for led in ledger.values())
+            for k in ("taken", "duplicates", "skipped")}
 
 
 def _mean(values) -> float | None:

@@ -60,6 +60,7 @@ class PromptSource:
         self.order = self.rng.permutation(len(self.items))
         self.pos = 0
         self.epoch = 0  # permutations used up: position = epoch * len(items) + pos
+        self._orders: dict[int, np.ndarray] = {}  # prompt_at's permutations, by epoch
         self.skipped_long = 0
 
     def _load(self) -> list[Prompt]:
@@ -142,14 +143,12 @@ class PromptSource:
         if position < 0:
             raise ValueError(f"prompt_at: position must be >= 0, got {position}")
         epoch, index = divmod(position, len(self.items))
-        orders = self.__dict__.setdefault("_orders", {})
-        if epoch not in orders:
+        if epoch not in self._orders:
             rng = np.random.default_rng(self._seed)
-            for e in range(epoch + 1):  # the permutations in the order next() makes them
+            for _ in range(epoch + 1):  # the permutations in the order next() makes them
                 order = rng.permutation(len(self.items))
-                if e >= epoch - 1:  # keep this epoch and the one before
-                    orders[e] = order
-        prompt = self.items[int(orders[epoch][index])]
+            self._orders[epoch] = order
+        prompt = self.items[int(self._orders[epoch][index])]
         return None if self.too_long(prompt) else prompt
 
     def score(self, response: str, prompt: Prompt) -> tuple[float, float]:
