@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from actors.control import ResilientControl
+from actors.journal import TreeJournal, TreeRecord, journal_path
 from actors.engines.base import GenerationEngine
 from actors.rollout import Occupancy, Rollout
 from arpo_async.core import protocol as P
@@ -108,6 +109,12 @@ class Actor:
         # resumed from a checkpoint, or they were lost on the way): drawn again first
         self._redo: list[int] = []
         self.redone = 0
+        # the trees an earlier incarnation left in flight (actors/journal.py), by position:
+        # drawn first, and finished instead of generated again
+        a = cfg.actors
+        self.journal = (TreeJournal(journal_path(cfg.run.dir, actor_id), a.journal_fsync_s,
+                                    a.journal_max_mb) if a.journal else None)
+        self._resume: dict[int, TreeRecord] = {}
         self.control.on_hello = self._plan_redo
         self._probe_path = Path(cfg.run.dir) / f"actor{actor_id}_probe.jsonl"
         self._stop_at = _fault_stop_version(actor_id)
@@ -207,7 +214,7 @@ class Actor:
         drawn again, first. A group it has after all comes twice and is dropped there
         as a duplicate: drawing too much costs generation, never a second training."""
         redo = redo_positions(ack.prompts_below, ack.prompts_above, self.source.position,
-                              self._in_flight | set(self._redo))
+                              self._in_flight | set(self._redo) | set(self._resume))
         redo = [p for p in redo if self.source.prompt_at(p) is not None]
         if redo:
             self._redo = sorted(set(self._redo) | set(redo))
@@ -216,8 +223,28 @@ class Actor:
                         redo[0], redo[-1])
 
     def _draw(self) -> tuple[int, int, object]:
-        """(position, end, prompt) of the next group: a prompt to draw again first, else
-        the stream's next (past prompts too long for the model: [position, end))."""
+        """(position, end, prompt) of the next group: a tree left in flight by an earlier
+        incarnation first, then a prompt to draw again, else the stream's next (past
+        prompts too long for the model: [position, end))."""
+        while self._resume:
+            pos = min(self._resume)
+            tree = self._resume.pop(pos)
+            prompt = self.source.prompt_at(pos)
+            if prompt is None:
+                log.warning("actor %d: the journal's tree at position %d no longer fits the "
+                            "model: skipped", self.actor_id, pos)
+                self.journal.sent(pos)
+                continue
+            newest = max((max(p.versions, default=-1) for p in tree.paths.values()), default=-1)
+            if newest > self.control.learner_version >= 0:
+                # sampled by weights the learner rolled back (it resumed from an older
+                # checkpoint): those weights are gone, so the prompt starts again
+                log.warning("actor %d: the journal's tree at position %d holds tokens of "
+                            "v%d, rolled back by the learner (v%d): generated again",
+                            self.actor_id, pos, newest, self.control.learner_version)
+                self.journal.sent(pos)
+                self.journal.counts["trees_rolled_back"] += 1
+            return pos, tree.end, prompt
         if self._redo:  # each fits the model (_plan_redo keeps only those)
             pos = self._redo.pop(0)
             self.redone += 1
@@ -238,7 +265,9 @@ class Actor:
             log.warning("actor %d: %s: stopping with a ticket held, on v%d", self.actor_id,
                         FAULT_STOP_AFTER_GRANT, self.engine.version)
             os.killpg(os.getpgrp(), signal.SIGSTOP)  # a test sends SIGCONT
-        group = await self.rollout.run(prompt, self.actor_id)
+        journal = (self.journal.group(pos, end, self.source.position)
+                   if self.journal is not None else None)
+        group = await self.rollout.run(prompt, self.actor_id, journal)
         # the actor's own figures next to the rollout's (branch/*), never instead of them
         if self._hold is not None:
             (hold_s, *until), self._hold = self._hold, None
@@ -253,6 +282,8 @@ class Actor:
                        "data_end": float(end),
                        "ticket_version": float(ticket[0]), "ticket_epoch": float(ticket[1])}
         await self.sender.send(group)  # stamps sent_at
+        if self.journal is not None:
+            self.journal.sent(pos)
         self._in_flight.discard(pos)
         self.groups_sent += 1
         self.model_tokens += sum(int(leaf.loss_mask.sum()) for leaf in group.leaves)
@@ -268,17 +299,26 @@ class Actor:
         trajectories generate; the groups' tasks finish in any order."""
         occupancy = getattr(self.rollout, "occupancy", None) or Occupancy()
         groups: set[asyncio.Task] = set()
+        resumed: set[asyncio.Task] = set()
         try:
             while not self.stop:
                 await occupancy.below(target)
                 for task in [t for t in groups if t.done()]:
                     groups.discard(task)
                     task.result()  # a failed group ends the actor
+                if resumed and not self._resume:
+                    # the trees resumed from the journal reach the learner before any new
+                    # group: their tokens are the oldest in the run (the staleness bound)
+                    await asyncio.wait(resumed)
+                    resumed = set()
                 ticket = await self._ticket()
                 if ticket is None:
                     break
+                was_resume = bool(self._resume)
                 task = asyncio.create_task(self._group(ticket))
                 groups.add(task)
+                if was_resume:
+                    resumed.add(task)
                 self.groups_started += 1
                 self.max_groups_in_flight = max(self.max_groups_in_flight,
                                                 sum(not t.done() for t in groups))
@@ -312,15 +352,27 @@ class Actor:
             out |= {f"engine/{k}": v for k, v in self.engine.stats().items()}
         if self.tools is not None:
             out |= {f"tools/{k}": v for k, v in self.tools.stats().items()}
+        if self.journal is not None:
+            out |= {f"journal/{k}": v for k, v in self.journal.stats().items()}
         return out
 
     def data_position(self) -> int:
         """The earliest stream position not yet delivered (in flight, or to draw again):
         where a restart continues."""
-        return min([*self._in_flight, *self._redo[:1], self.source.position])
+        return min([*self._in_flight, *self._resume, *self._redo[:1], self.source.position])
 
     async def run(self) -> None:
         start = saved_position(self.cfg.run.dir, self.actor_id)
+        if self.journal is not None:
+            self._resume = self.journal.load()
+            start = max(start, self.journal.next)
+            if self._resume or self.journal.counts["torn"]:
+                log.warning("actor %d: resuming %d trees left in flight (positions %s, %d "
+                            "model tokens) from the journal%s", self.actor_id,
+                            len(self._resume), sorted(self._resume),
+                            self.journal.counts["tokens_resumed"],
+                            "; a torn last record was dropped" if self.journal.counts["torn"]
+                            else "")
         if start:
             self.source.seek(start)
             log.info("actor %d: continuing the prompt stream at position %d", self.actor_id,

@@ -14,12 +14,12 @@ import math
 KEYS = ("branch/p_mean", "branch/p_std", "branch/p_min", "branch/p_max", "branch/dh_mean",
         "branch/decisions", "branch/forks", "branch/fills", "branch/leaves_per_group",
         "branch/p_outside_band", "branch/skipped_short", "tools/executed_per_leaf",
-        "rollout/context_full")
+        "rollout/context_full", "rollout/resumed_tokens")
 
 
 def rollout_metrics(groups: list) -> dict[str, float]:
-    """The step's ``branch/*``, ``tools/executed_per_leaf`` and ``rollout/context_full``
-    figures."""
+    """The step's ``branch/*``, ``tools/executed_per_leaf``, ``rollout/context_full`` and
+    ``rollout/resumed_tokens`` figures."""
     def total(key: str) -> float:
         return float(sum(g.stats.get(f"branch/{key}", 0.0) for g in groups))
 
@@ -51,4 +51,7 @@ def rollout_metrics(groups: list) -> dict[str, float]:
         # trajectories that ended as length because prompt + tokens filled max_model_len
         "rollout/context_full": float(sum(g.stats.get("rollout/context_full", 0.0)
                                           for g in groups)),
+        # model tokens an actor's journal carried across its restart (actors/journal.py)
+        "rollout/resumed_tokens": float(sum(g.stats.get("rollout/resumed_tokens", 0.0)
+                                            for g in groups)),
     }

@@ -19,7 +19,9 @@ A tool is a class with
 - optionally, a *stateful* tool (``python`` with ``tools.python.state=session``):
   ``stateful = True``, ``open_session()`` (a trajectory's session: ``digest``, the state
   part of the cache key; ``advance(args)``, a cached result stood for a call;
-  ``async fork()``; ``close(reason)``) and ``async call_in(session, args)``
+  ``async fork()``; ``close(reason)``; a ``history`` list, if it has one, is kept in
+  the actor's journal) and ``async call_in(session, args)``, and, to carry a session
+  across an actor's restart, ``restore_session(history)``
   (``toolenv.runner.ToolState`` carries a trajectory's sessions).
 
 Every result is cut to ``tools.max_result_chars`` characters by the runner (``cap_text``)

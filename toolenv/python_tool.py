@@ -344,6 +344,12 @@ class PythonTool:
             raise RuntimeError("PythonTool: sessions need state='session'")
         return self.sessions.open()
 
+    def restore_session(self, history: list[str]) -> PySession:
+        """A trajectory's interpreter at the end of ``history`` (rebuilt at its next call)."""
+        if self.sessions is None:
+            raise RuntimeError("PythonTool: sessions need state='session'")
+        return self.sessions.restore(history)
+
     async def call_in(self, session: PySession, args: str) -> ToolResult:
         """One call in ``session``: what it printed, as ``call`` reports it."""
         start = time.perf_counter()

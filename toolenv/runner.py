@@ -73,6 +73,11 @@ class ToolState:
     def __init__(self, sessions: dict[str, Any]):
         self.sessions = sessions
 
+    def histories(self) -> dict[str, list[str]]:
+        """Each session's history (the code of its kept calls, in order), where it keeps one."""
+        return {name: list(s.history) for name, s in self.sessions.items()
+                if isinstance(getattr(s, "history", None), list)}
+
     async def fork(self) -> ToolState:
         """A copy for a branch: each session's state now (the branch's own from here on)."""
         return ToolState({name: await s.fork() for name, s in self.sessions.items()})
@@ -113,6 +118,19 @@ class ToolRunner:
         if not stateful:
             return None
         return ToolState({name: tool.open_session() for name, tool in stateful.items()})
+
+    def restore_state(self, histories: dict[str, list[str]]) -> ToolState | None:
+        """A trajectory's sessions as an earlier incarnation of the actor left them
+        (``ToolState.histories``): each stateful tool with ``restore_session`` rebuilds its
+        history at the next call; one without it, or without a history, starts fresh."""
+        stateful = {name: tool for name, tool in self.tools.items()
+                    if getattr(tool, "stateful", False)}
+        if not stateful:
+            return None
+        return ToolState({
+            name: tool.restore_session(list(histories[name]))
+            if name in histories and hasattr(tool, "restore_session") else tool.open_session()
+            for name, tool in stateful.items()})
 
     async def call(self, name: str, args: str, state: ToolState | None = None) -> ToolResult:
         """Run one tool call (in the trajectory's ``state`` when the tool keeps one);

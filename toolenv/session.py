@@ -50,7 +50,7 @@ _WINDOW = 10_000  # latencies kept for the percentiles
 _LOST = LOST  # replies after which the sandbox is gone
 # Every count ``stats`` reports, there from the start at zero (a run whose forks all
 # replay says so: session_forks 0 next to session_fork_fallbacks).
-COUNTS = ("opened", "closed_finished", "closed_dropped", "forks", "replays", "catchups",
+COUNTS = ("opened", "restored", "closed_finished", "closed_dropped", "forks", "replays", "catchups",
           "replayed_calls", "replay_failures", "fork_fallbacks", "lost", "evictions",
           "idle_stops", "cold_starts")
 # Why a fork replayed instead of restoring a checkpoint: session_fork_fallback_<reason>.
@@ -131,6 +131,15 @@ class SessionManager:
     def open(self) -> PySession:
         self.counts["opened"] += 1
         return PySession(self)
+
+    def restore(self, history: list[str]) -> PySession:
+        """A session whose state is ``history`` (an actor's journal kept it across a
+        restart): no sandbox until its next call, which replays the history first."""
+        self.counts["restored"] += 1
+        digest = ""
+        for code in history:
+            digest = next_digest(digest, code)
+        return PySession(self, history, digest)
 
     async def fork(self, parent: PySession) -> PySession:
         """The child's copy of ``parent``'s state now (checkpoint bytes, or its history to

@@ -244,8 +244,9 @@ class SimulatedEngine:
 
     def _tool_call(self, name: str, rng: np.random.Generator) -> list[int]:
         if name == "python":
+            code = self.sim.python_code
             body = list(self.vocab.encode(
-                f"print({int(rng.integers(100))}+{int(rng.integers(100))})"))
+                code or f"print({int(rng.integers(100))}+{int(rng.integers(100))})"))
         else:  # a query of a few plain words
             body = self.vocab.filler[rng.integers(0, self.vocab.filler.size, 3)].tolist()
         tags = self.vocab.tags

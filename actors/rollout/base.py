@@ -25,8 +25,10 @@ from toolenv.tasks.prompts import Prompt
 class Rollout(Protocol):
     occupancy: Occupancy
 
-    async def run(self, prompt: Prompt, actor_id: int) -> TrajectoryGroup:
-        """Counts the group's first trajectories in ``occupancy`` before its first await."""
+    async def run(self, prompt: Prompt, actor_id: int, journal=None) -> TrajectoryGroup:
+        """Counts the group's first trajectories in ``occupancy`` before its first await.
+        ``journal`` (actors/journal.py ``GroupJournal``, or None): where the group's events
+        are recorded, and the tree to finish when it was left in flight."""
 
 
 class Occupancy:

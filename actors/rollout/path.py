@@ -63,6 +63,7 @@ class LivePath:
     context_full: bool = False  # ended because prompt + tokens filled model.max_model_len
     state: Any = None  # its sessions in stateful tools (ToolRunner.open_state), or None
     needs_h_init: bool = True  # its first round's entropy is read (GroupPolicy.first_round)
+    pending: str = ""  # a round whose calls have not run yet: its text through the stop string
 
     def fork(self, tid: int, reads_first_round: bool = False) -> LivePath:
         """A fork shares everything up to and including the last tool result (so the call

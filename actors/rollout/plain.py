@@ -41,7 +41,9 @@ class PlainRollout:
                           versions=np.asarray(res.versions, np.int32), reward=reward, score=score,
                           finish_reason=res.finish_reason)
 
-    async def run(self, prompt: Prompt, actor_id: int) -> TrajectoryGroup:
+    async def run(self, prompt: Prompt, actor_id: int, journal=None) -> TrajectoryGroup:
+        """``journal`` is not kept: a sample without tools is one round, and a round in
+        progress is never resumed."""
         leaves = await asyncio.gather(*[
             self.occupancy.track(asyncio.ensure_future(self._sample(prompt)))
             for _ in range(self.cfg.rollout.group_size)])

@@ -111,7 +111,8 @@ RENAMED: dict[str, str] = {
        for key in ("kv_cache_gib", "gpu_memory_utilization", "tensor_parallel",
                    "enable_prefix_caching", "cuda_graphs", "max_logprobs")},
     **{f"sim.{key}": f"moved; use actors.engine.{key} (with type: simulated)"
-       for key in SimulatedEngine.model_fields if key != "type"},
+       # (python_code came after the move: no sim.python_code ever existed)
+       for key in SimulatedEngine.model_fields if key not in ("type", "python_code")},
 }
 # tagged unions by the field that holds them: the member's tag is dropped from error paths
 UNIONS = {"loss": LOSS, "python": PYTHON, "weight_sync": WEIGHT_SYNC,

@@ -65,6 +65,9 @@ class SimulatedEngine(_Section):
         0.7, ge=0, le=1, description="normalised entropy of a round right after a tool result")
     entropy_noise: float = Field(0.05, ge=0, description="std of the per-token entropy noise")
     update_s: float = Field(0.0, ge=0, description="simulated weight load time per update, s")
+    python_code: str | None = Field(
+        None, description="the code of every python call it writes (null: print(a+b) with "
+        "random a and b); e.g. a line that keeps a count in a session's state")
     actors_per_process: int = Field(
         1, ge=1, description="simulated actors per OS process (asyncio tasks, own sockets each)")
 
@@ -124,6 +127,16 @@ class ActorsConfig(_Section):
         30.0, ge=0, description="after the learner has finished, how long the launcher waits "
         "for the local actors to exit before it stops them, seconds")
     weight_poll_s: float = Field(0.2, description="seconds between checks for new weights")
+    journal: bool = Field(
+        True, description="journal each actor's trees in flight (RUN_DIR/journal/): a restarted "
+        "actor finishes them from where they stopped (tokens, versions, tool results, Python "
+        "sessions) instead of generating them again; only a round in progress is lost")
+    journal_fsync_s: float = Field(
+        1.0, ge=0, description="flush the journal to disk at most this often, seconds (0: every "
+        "record); a killed process loses nothing written, a crashed machine up to this long")
+    journal_max_mb: float = Field(
+        256.0, gt=0, description="rewrite the journal with only the trees in flight once it "
+        "grows past this, MB")
     start_wait_s: float = Field(
         300.0, description="before the first ticket, wait this long for all actors to connect"
     )

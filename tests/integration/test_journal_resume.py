@@ -1,0 +1,101 @@
+"""Trees in flight survive their actor (actors/journal.py): SIGKILL an actor while its
+journal holds a tree with a Python call in flight and a session with state, and the
+launcher's restart finishes those trees instead of generating them again.
+
+A real run through the launcher (DeepSpeed learner, ZeroMQ, the Python sandbox with
+sessions, ``tools.python.state=session``), one actor on the simulated engine (it starts in
+seconds and writes a call on most rounds; ``actors.engine.python_code`` makes every call
+count in its session: ``n`` goes 1, 2, 3 along a lineage, and restarts at 1 only if a
+session lost its state). The kill is forced: the test reads the journal until it holds
+what it wants, then kills. Checked against the journal as the kill left it: the
+restarted actor resumed exactly its trees and tokens; every prompt was trained once (none
+skipped, none twice); the resumed groups were trained with the tokens sampled before the
+kill; and in every trained group (``learner.trees_every=1``) every leaf's Python results
+read 1, 2, ... k, so the state set before the kill was read after it."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import signal
+
+import pytest
+
+from actors.journal import TreeJournal, journal_path
+from tests.integration.faultkit import Run, check_ledger, signal_group
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+CODE = "import time; n = globals().get('n') or 0; n += 1; time.sleep(1.0); print(n)"
+STEPS = 3  # of 4 groups each
+
+
+def _holds_a_session_call(path) -> bool:
+    """The journal (read through a copy) has a trajectory whose calls are in flight and
+    whose session kept an earlier call."""
+    if not path.is_file():
+        return False
+    copy = path.with_name("probe.bin")
+    shutil.copyfile(path, copy)
+    trees = TreeJournal(copy).load()
+    return any(p.phase == "calls" and p.sessions.get("python") for t in trees.values()
+               for p in t.paths.values())
+
+
+def _leaf_results(tree: dict) -> list[list[int]]:
+    """Each leaf's Python results, in order, from a trees/ file."""
+    out = []
+    for leaf in tree["leaves"]:
+        nodes = sorted((n for n in tree["nodes"] if leaf["index"] in n["leaves"]),
+                       key=lambda n: n["start"])
+        text = "".join(p["text"] for n in nodes for p in n["parts"] if p["kind"] == "tool")
+        out.append([int(x) for x in re.findall(r"<result>\s*(\d+)\s*</result>", text)])
+    return out
+
+
+def test_a_killed_actor_finishes_its_trees_from_the_journal(tiny_model_dir, tmp_path):
+    run = Run(tmp_path / "run", tiny_model_dir, "actors.num=1", "actors.engine=simulated",
+              f"actors.engine.python_code={json.dumps(CODE)}", "actors.engine.tokens_per_s=100",
+              "actors.engine.tool_call_prob=0.8", "tools.enabled=[python]",
+              "tools.python.state=session", "rollout.mode=arpo", "rollout.group_size=4",
+              "rollout.initial_samples=2", "rollout.tool_call_limit=3",
+              "sampling.round_max_tokens=64", "sampling.max_response_tokens=400",
+              "actors.max_inflight_trajectories=8", f"learner.max_steps={STEPS}",
+              "learner.batch_groups=4", "learner.trees_every=1", "actors.restart_backoff_s=1",
+              # no group can be stale: this test checks the journal, not the staleness rule
+              # (a resumed tree still in flight after STEPS more steps would be dropped)
+              f"learner.max_staleness={STEPS}")
+    live = journal_path(run.dir, 0)
+    # a path's second call takes 1 s: the journal holds one long before the run ends
+    # (whenever the kill comes, the restarted actor draws the trees it resumes first)
+    run.wait_for("a tree with a call in flight in a session with state",
+                 lambda: _holds_a_session_call(live), 300)
+    signal_group(run.pids()["actor0"], signal.SIGKILL)
+    at_kill = tmp_path / "at_kill.bin"
+    shutil.copyfile(live, at_kill)  # the restart backs off 1 s before it reads the file
+    held = TreeJournal(at_kill).load()
+    summary = run.finish()
+
+    assert summary["status"] == "ok" and summary["restarts"]["actor0"] == 1
+    tokens = sum(t.model_tokens() for t in held.values())
+    sessions = sum(bool(p.sessions.get("python")) for t in held.values()
+                   for p in t.paths.values() if p.phase != "done")
+    assert held and tokens > 0 and sessions >= 1
+    log = run.role_log("actor0")
+    assert (f"resuming {len(held)} trees left in flight (positions {sorted(held)}, "
+            f"{tokens} model tokens)") in log, log[-2000:]
+    ledger = summary["ledger"]
+    check_ledger(ledger)
+    prompts = ledger["0"]["prompts"]
+    assert prompts["skipped"] == 0 and prompts["duplicates"] == 0, prompts
+    assert ledger["0"]["dropped"] == {}, ledger
+    # the resumed trees were trained, every token they carried over (metrics.jsonl)
+    assert sum(r["rollout/resumed_tokens"] for r in run.rows()) == tokens
+    # every trained group's leaves: the sessions counted on across the kill
+    trees = [json.loads(p.read_text()) for p in sorted((run.dir / "trees").glob("*.json"))]
+    results = [r for tree in trees for r in _leaf_results(tree)]
+    assert sum(map(len, results)) >= 8
+    assert all(r == list(range(1, len(r) + 1)) for r in results), results
+    print(f"\njournal: {len(held)} trees resumed at the kill, {tokens} model tokens, "
+          f"{sessions} live trajectories with a session; prompts {prompts}")
