@@ -23,6 +23,10 @@ alive, is drawn again):
 - ``learner_kill``: SIGKILL of the learner (restarted from its newest checkpoint);
 - ``launcher_kill``: SIGKILL of the launcher, then of the learner (``--resume`` refuses
   while one runs), then ``launch --resume RUN_DIR``: the actors are adopted;
+- ``job_kill``: SIGKILL of every process of the run (the launcher, then the learner's and
+  every actor's process group: a power loss, a node's OOM killer, ``scancel``), then
+  ``launch --resume RUN_DIR``: the learner from its newest checkpoint, the actors from
+  their journals of trees in flight (actors/journal.py);
 - ``retriever_kill``: SIGKILL of the retriever; the soak restarts it on the same port
   after ``RETRIEVER_DOWN_S`` (meanwhile search calls fail and are counted);
 - ``sandbox_kill``: SIGKILL of one of the actors' bubblewrap sandboxes (warm or running);
@@ -66,7 +70,7 @@ from arpo_async.jobs.sft import run_sft
 from arpo_async.core.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
-FAULTS = ("actor_kill", "actor_stop", "learner_kill", "launcher_kill", "retriever_kill",
+FAULTS = ("actor_kill", "actor_stop", "learner_kill", "launcher_kill", "job_kill", "retriever_kill",
           "sandbox_kill", "cache_full", "frames", "slow_tool")
 MARKER_ENV = "ARPO_CHAOS_RUN"
 RETRIEVER_DOWN_S = 3.0  # how long a killed retriever stays down
@@ -225,8 +229,8 @@ class Soak:
                 return False
             F.signal_group(pid, signal.SIGKILL)
             self.log(kind, "learner", pid=pid)
-        elif kind == "launcher_kill":
-            self._kill_launcher_and_resume(pids)
+        elif kind in ("launcher_kill", "job_kill"):
+            self._kill_launcher_and_resume(pids, everything=kind == "job_kill")
         elif kind == "retriever_kill":
             pid = self.retriever.kill() if self.retriever else None
             if pid is None:
@@ -255,16 +259,23 @@ class Soak:
             self.log(kind, "search", delay_s=delay, for_s=window)
         return True
 
-    def _kill_launcher_and_resume(self, pids: dict) -> None:
+    def _kill_launcher_and_resume(self, pids: dict, everything: bool = False) -> None:
+        """SIGKILL the launcher, then the learner (``--resume`` refuses while one runs) or,
+        with ``everything``, every role; then ``launch --resume``."""
         F.signal_group(self.launcher.pid, signal.SIGKILL)
         self.launcher.wait(30)
-        learner = pids.get("learner")
-        if learner is not None and not F.gone(learner):  # --resume refuses while it runs
-            F.signal_group(learner, signal.SIGKILL)
-            deadline = time.monotonic() + 30
-            while not F.gone(learner) and time.monotonic() < deadline:
-                time.sleep(0.1)
-        self.log("launcher_kill", "launcher", pid=self.launcher.pid, learner_pid=learner)
+        roles = {name: pid for name, pid in pids.items() if everything or name == "learner"}
+        for pid in roles.values():
+            if not F.gone(pid):
+                F.signal_group(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not all(F.gone(p) for p in roles.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if everything:
+            self.log("job_kill", "run", launcher_pid=self.launcher.pid, pids=roles)
+        else:
+            self.log("launcher_kill", "launcher", pid=self.launcher.pid,
+                     learner_pid=roles.get("learner"))
         self.start_launcher(resume=True)
 
     def _fill_cache(self, until: float) -> bool:

@@ -79,7 +79,7 @@ def fault_effect(fault: dict, cfg, restart_s: float, startup_s: float = 0.0) -> 
     kind = fault["kind"]
     if kind in ("actor_kill", "learner_kill"):
         return restart_s
-    if kind == "launcher_kill":  # the launcher starts, then it starts the learner
+    if kind in ("launcher_kill", "job_kill"):  # the launcher starts, then the learner
         return restart_s + startup_s
     if kind == "actor_stop":
         return float(fault.get("stall_s", 0.0))
@@ -166,8 +166,12 @@ def check_ledger(run_dir: Path) -> dict:
             totals[k] += max(led[k], 0)
         for reason, n in led["dropped"].items():
             totals["dropped"][reason] = totals["dropped"].get(reason, 0) + n
-    # per prompt (learner/ledger.py PromptRecord): reported here, not checked
+    # per prompt (learner/ledger.py PromptRecord): none skipped (every prompt of the stream
+    # trained or dropped with a reason; none can be trained twice, and duplicates, generated
+    # twice and dropped, are reported); -1: a record restored as unknown
     prompts = summary.get("prompts") or {"taken": 0, "duplicates": 0, "skipped": 0}
+    if prompts.get("skipped", 0) > 0:
+        problems.append(f"{prompts['skipped']} prompts skipped: never trained nor dropped")
     return {"ok": not problems, "value": "; ".join(problems) or
             f"sent {totals['sent']} = trained {totals['trained']} + dropped "
             f"{sum(totals['dropped'].values())} {totals['dropped']} + lost {totals['lost']} "

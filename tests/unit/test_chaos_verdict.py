@@ -120,3 +120,24 @@ def test_a_process_of_the_run_left_behind_is_found(tmp_path):
         proc.kill()
         proc.wait()
     assert V.check_processes(marker, tmp_path / "run", V.ancestors(os.getpid()))["ok"]
+
+
+def test_a_skipped_prompt_fails_the_ledger_check_and_duplicates_are_reported(tmp_path):
+    led = _ledger_after_a_restart()
+    ledger = {str(k): v for k, v in led.summary().items()}
+    for skipped, ok in ((0, True), (-1, True), (2, False)):  # -1: a record restored unknown
+        prompts = {"taken": 5, "duplicates": 1, "skipped": skipped}
+        (tmp_path / "summary.json").write_text(json.dumps({
+            "ledger": ledger, "prompts": prompts,
+            "learner": {"incarnations": led.incarnations()}}))
+        check = V.check_ledger(tmp_path)
+        assert check["ok"] is ok, check
+        assert ("2 prompts skipped" in check["value"]) is (not ok)
+        assert check["prompts"]["duplicates"] == 1
+
+
+def test_a_job_kill_holds_the_learner_back_as_long_as_a_launcher_kill():
+    cfg = config_from_dict({})
+    fault = {"time": 0.0, "target": "run"}
+    assert V.fault_effect(fault | {"kind": "job_kill"}, cfg, 10.0, 5.0) == \
+        V.fault_effect(fault | {"kind": "launcher_kill"}, cfg, 10.0, 5.0) == 15.0
