@@ -1,8 +1,9 @@
 """The whole chain on genuine tokenizers (their chat templates with thinking off, their
 logits), for two families: Qwen3 (151,936 logits, hermes JSON calls) and Qwen3.5 (248,320
 logits, XML calls read by vLLM's ``qwen3_coder`` parser): cold-start SFT steps, an
-evaluation of a handful of prompts with real vLLM and the Python sandbox, and RL steps
-through the launcher (a vLLM actor, the DeepSpeed learner, the sandbox, ZeroMQ).
+evaluation of a handful of prompts with real vLLM and the Python sandbox, and (Qwen3's
+chain) RL steps through the launcher (a vLLM actor, the DeepSpeed learner, the sandbox,
+ZeroMQ).
 
 The model is the tiny Qwen3 body around that tokenizer with a scripted next-token law
 (tests/integration/scripted_law.py), so that it writes a real call in the family's format:
