@@ -1,6 +1,8 @@
 """Trees in flight survive their actor (actors/journal.py): SIGKILL an actor while its
 journal holds a tree with a Python call in flight and a session with state, and the
-launcher's restart finishes those trees instead of generating them again.
+launcher's restart finishes those trees instead of generating them again; then SIGKILL
+every process of the run after a step past its last checkpoint, and ``launch --resume``
+trains every prompt once.
 
 A real run through the launcher (DeepSpeed learner, ZeroMQ, the Python sandbox with
 sessions, ``tools.python.state=session``), one actor on the simulated engine (it starts in
@@ -11,7 +13,10 @@ what it wants, then kills. Checked against the journal as the kill left it: the
 restarted actor resumed exactly its trees and tokens; every prompt was trained once (none
 skipped, none twice); the resumed groups were trained with the tokens sampled before the
 kill; and in every trained group (``learner.trees_every=1``) every leaf's Python results
-read 1, 2, ... k, so the state set before the kill was read after it."""
+read 1, 2, ... k, so the state set before the kill was read after it. The job kill:
+the resumed learner rolls back the groups trained after its checkpoint, the actor draws
+those prompts again (the Hello reply) after finishing its journal's trees, and over the
+whole run no prompt is skipped or generated twice."""
 
 from __future__ import annotations
 
@@ -19,16 +24,19 @@ import json
 import re
 import shutil
 import signal
+import subprocess
+import time
 
 import pytest
 
 from actors.journal import TreeJournal, journal_path
-from tests.integration.faultkit import Run, check_ledger, signal_group
+from tests.conftest import PY, REPO, python_env
+from tests.integration.faultkit import Run, check_ledger, gone, signal_group
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 CODE = "import time; n = globals().get('n') or 0; n += 1; time.sleep(1.0); print(n)"
-STEPS = 3  # of 4 groups each
+STEPS = 8  # of 2 groups each, a checkpoint every 2
 
 
 def _holds_a_session_call(path) -> bool:
@@ -54,7 +62,21 @@ def _leaf_results(tree: dict) -> list[list[int]]:
     return out
 
 
-def test_a_killed_actor_finishes_its_trees_from_the_journal(tiny_model_dir, tmp_path):
+def _kill_everything(run: Run) -> None:
+    """SIGKILL the launcher (nothing restarts what follows), then every role's group."""
+    roles = run.pids()
+    run.proc.kill()
+    run.proc.wait(30)
+    run.out.close()
+    for pid in roles.values():
+        signal_group(int(pid), signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while not all(gone(int(p)) for p in roles.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def test_a_killed_actor_then_a_killed_job_lose_no_tree_and_no_prompt(tiny_model_dir,
+                                                                       tmp_path):
     run = Run(tmp_path / "run", tiny_model_dir, "actors.num=1", "actors.engine=simulated",
               f"actors.engine.python_code={json.dumps(CODE)}", "actors.engine.tokens_per_s=100",
               "actors.engine.tool_call_prob=0.8", "tools.enabled=[python]",
@@ -62,7 +84,8 @@ def test_a_killed_actor_finishes_its_trees_from_the_journal(tiny_model_dir, tmp_
               "rollout.initial_samples=2", "rollout.tool_call_limit=3",
               "sampling.round_max_tokens=64", "sampling.max_response_tokens=400",
               "actors.max_inflight_trajectories=8", f"learner.max_steps={STEPS}",
-              "learner.batch_groups=4", "learner.trees_every=1", "actors.restart_backoff_s=1",
+              "learner.batch_groups=2", "learner.trees_every=1", "actors.restart_backoff_s=1",
+              "learner.checkpoint_every=2",
               # no group can be stale: this test checks the journal, not the staleness rule
               # (a resumed tree still in flight after STEPS more steps would be dropped)
               f"learner.max_staleness={STEPS}")
@@ -75,27 +98,49 @@ def test_a_killed_actor_finishes_its_trees_from_the_journal(tiny_model_dir, tmp_
     at_kill = tmp_path / "at_kill.bin"
     shutil.copyfile(live, at_kill)  # the restart backs off 1 s before it reads the file
     held = TreeJournal(at_kill).load()
-    summary = run.finish()
+    run.wait_for("the restarted actor", lambda: "resuming" in run.role_log("actor0"), 120)
+    # the whole job, after an odd step (past the checkpoint of the even one before it)
+    run.wait_for("an odd step from 3 with trees in flight",
+                 lambda: run.step() >= 3 and run.step() % 2 == 1 and
+                 bool(TreeJournal(shutil.copyfile(live, tmp_path / "p.bin")).load()), 300)
+    killed_at = run.step()
+    _kill_everything(run)
+    job = TreeJournal(shutil.copyfile(live, tmp_path / "at_job_kill.bin")).load()
+    res = subprocess.run([PY, "-m", "arpo_async.launch", "--quiet", "--resume", str(run.dir)],
+                         cwd=REPO, env=python_env(), capture_output=True, text=True,
+                         timeout=400)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    summary = json.loads((run.dir / "summary.json").read_text())
 
-    assert summary["status"] == "ok" and summary["restarts"]["actor0"] == 1
+    assert summary["status"] == "ok" and summary["steps"] == STEPS
     tokens = sum(t.model_tokens() for t in held.values())
     sessions = sum(bool(p.sessions.get("python")) for t in held.values()
                    for p in t.paths.values() if p.phase != "done")
     assert held and tokens > 0 and sessions >= 1
-    log = run.role_log("actor0")
+    log = run.role_log("actor0")  # both incarnations after the kills append to it
     assert (f"resuming {len(held)} trees left in flight (positions {sorted(held)}, "
             f"{tokens} model tokens)") in log, log[-2000:]
     ledger = summary["ledger"]
     check_ledger(ledger)
+    # exactly once over the whole run: none skipped, none generated twice (a group the
+    # learner holds is never sent again: the journal retires a group in the same step of
+    # the event loop as its send returns), the rolled back ones trained again
     prompts = ledger["0"]["prompts"]
     assert prompts["skipped"] == 0 and prompts["duplicates"] == 0, prompts
-    assert ledger["0"]["dropped"] == {}, ledger
-    # the resumed trees were trained, every token they carried over (metrics.jsonl)
-    assert sum(r["rollout/resumed_tokens"] for r in run.rows()) == tokens
-    # every trained group's leaves: the sessions counted on across the kill
+    dropped = ledger["0"]["dropped"]
+    assert dropped.get("rolled_back", 0) >= 1 and "stale" not in dropped, ledger
+    job_tokens = sum(t.model_tokens() for t in job.values())
+    assert (f"resuming {len(job)} trees left in flight (positions {sorted(job)}, "
+            f"{job_tokens} model tokens)") in log, log[-2000:]
+    # the resumed trees were trained, every token they carried over (metrics.jsonl: the
+    # actor's kill, then the job's)
+    resumed = sum(r["rollout/resumed_tokens"] for r in run.rows())
+    assert resumed >= tokens, (resumed, tokens)
+    # every trained group's leaves: the sessions counted on across both kills
     trees = [json.loads(p.read_text()) for p in sorted((run.dir / "trees").glob("*.json"))]
     results = [r for tree in trees for r in _leaf_results(tree)]
     assert sum(map(len, results)) >= 8
     assert all(r == list(range(1, len(r) + 1)) for r in results), results
-    print(f"\njournal: {len(held)} trees resumed at the kill, {tokens} model tokens, "
-          f"{sessions} live trajectories with a session; prompts {prompts}")
+    print(f"\njournal: actor kill {len(held)} trees, {tokens} model tokens, {sessions} live "
+          f"trajectories with a session; job kill at step {killed_at}, {len(job)} trees; "
+          f"prompts {prompts}; dropped {dropped}; resumed tokens trained {resumed}")
