@@ -137,11 +137,12 @@ class TreeJournal:
         self.live: dict[int, TreeRecord] = {}  # stream position -> tree not yet sent
         self.next = -1  # the stream position the actor had drawn up to (-1: unknown)
         self.counts = dict.fromkeys(("records", "bytes", "fsyncs", "torn", "orphans",
-                                     "compactions", "trees_resumed", "tokens_resumed",
-                                     "trees_rolled_back"), 0)
+                                     "bad_records", "write_errors", "compactions",
+                                     "trees_resumed", "tokens_resumed", "trees_rolled_back"), 0)
         self.write_s = 0.0
         self._fd: int | None = None
         self._size = 0  # bytes in the file since it was last compacted
+        self._stale = False  # a write failed: the file lags the trees in memory
         self._synced = time.monotonic()
 
     # ------------------------------------------------------------------ load
@@ -161,11 +162,21 @@ class TreeJournal:
                 if size > MAX_RECORD or len(body) < size or zlib.crc32(body) != crc:
                     self.counts["torn"] += 1
                     break
-                self._apply(msgpack.unpackb(body, raw=False))
+                rec = msgpack.unpackb(body, raw=False)
+                try:
+                    self._apply(rec)
+                except (KeyError, TypeError, ValueError):  # whole but inconsistent: its tree
+                    self.counts["bad_records"] += 1        # is not resumed (drawn again)
+                    self.live.pop(int(rec.get("g", -1)), None)
                 at += HEADER.size + size
         self.counts["trees_resumed"] = len(self.live)
         self.counts["tokens_resumed"] = sum(t.model_tokens() for t in self.live.values())
-        self.compact()
+        try:
+            self.compact()
+        except OSError as exc:  # a full disk: the old file stays; rewritten at a later record
+            log.warning("journal %s: could not be rewritten (%s)", self.path, exc)
+            self.counts["write_errors"] += 1
+            self._stale = True
         return dict(self.live)
 
     def _apply(self, rec: dict) -> None:
@@ -195,38 +206,62 @@ class TreeJournal:
         return self._fd
 
     def write(self, rec: dict) -> None:
+        """Record ``rec``: applied to the trees in memory (the truth), then appended to
+        the file. A write that fails (a full disk) never reaches the rollout: it is
+        counted and logged, and the file, now behind, is rewritten whole from memory at
+        the next record that can be written (until then a crash loses those trees)."""
         t0 = time.perf_counter()
-        body = msgpack.packb(rec, use_bin_type=True)
-        os.write(self._open(), HEADER.pack(len(body), zlib.crc32(body)) + body)
-        self.counts["records"] += 1
-        self.counts["bytes"] += HEADER.size + len(body)
-        self._size += HEADER.size + len(body)
         self._apply(rec)
-        if self.fsync_s >= 0 and time.monotonic() - self._synced >= self.fsync_s:
-            os.fsync(self._fd)
-            self.counts["fsyncs"] += 1
-            self._synced = time.monotonic()
+        try:
+            if self._stale:
+                self.compact()
+            else:
+                self._append(msgpack.packb(rec, use_bin_type=True))
+            if self.fsync_s >= 0 and time.monotonic() - self._synced >= self.fsync_s:
+                os.fsync(self._open())
+                self.counts["fsyncs"] += 1
+                self._synced = time.monotonic()
+            if self.max_bytes and self._size > self.max_bytes:
+                self.compact()
+        except OSError as exc:
+            self.counts["write_errors"] += 1
+            if not self._stale:
+                log.warning("journal %s: a write failed (%s): the trees in flight are kept in "
+                            "memory and the file is rewritten once it can be", self.path, exc)
+            self._stale = True
+            self.close()
         self.write_s += time.perf_counter() - t0
-        if self.max_bytes and self._size > self.max_bytes:
-            self.compact()
+
+    def _append(self, body: bytes) -> None:
+        data = HEADER.pack(len(body), zlib.crc32(body)) + body
+        if os.write(self._open(), data) != len(data):  # a short write leaves a torn record
+            raise OSError(f"short write to {self.path}")
+        self.counts["records"] += 1
+        self.counts["bytes"] += len(data)
+        self._size += len(data)
 
     def compact(self) -> None:
-        """Rewrite the file with only the trees in flight, one record each."""
+        """Rewrite the file with only the trees in flight, one record each (an OSError
+        leaves the old file in place)."""
         tmp = self.path.with_suffix(".tmp")
         tmp.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            for tree in self.live.values():
-                body = msgpack.packb(self._whole(tree), use_bin_type=True)
-                f.write(HEADER.pack(len(body), zlib.crc32(body)) + body)
-            if not self.live and self.next >= 0:
-                body = msgpack.packb({"k": "next", "n": self.next}, use_bin_type=True)
-                f.write(HEADER.pack(len(body), zlib.crc32(body)) + body)
-            f.flush()
-            os.fsync(f.fileno())
-            tmp_size = f.tell()
+        try:
+            with open(tmp, "wb") as f:
+                for tree in self.live.values():
+                    body = msgpack.packb(self._whole(tree), use_bin_type=True)
+                    f.write(HEADER.pack(len(body), zlib.crc32(body)) + body)
+                if not self.live and self.next >= 0:
+                    body = msgpack.packb({"k": "next", "n": self.next}, use_bin_type=True)
+                    f.write(HEADER.pack(len(body), zlib.crc32(body)) + body)
+                f.flush()
+                os.fsync(f.fileno())
+                size = f.tell()
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
         self.close()
         os.replace(tmp, self.path)
-        self._size = tmp_size
+        self._size, self._stale = size, False
         self.counts["compactions"] += 1
 
     def _whole(self, tree: TreeRecord) -> dict:

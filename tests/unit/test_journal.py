@@ -234,3 +234,55 @@ def test_a_sent_group_is_retired_and_compaction_keeps_the_rest(tmp_path):
     trees = again.load()
     assert sorted(trees) == [0, 2] and again.next == 3
     assert trees[0].paths[0].tokens == [1, 2, 3] and trees[0].paths[0].versions == [4] * 3
+
+
+FULL_DISK = r"""
+import json, resource, sys
+sys.path.insert(0, sys.argv[1])
+from actors.journal import TreeJournal
+
+class P:
+    def __init__(self, tid, n):
+        self.tid, self.tokens, self.mask = tid, list(range(n)), [1] * n
+        self.logprobs, self.versions = [-0.5] * n, [3] * n
+        self.tool_calls = self.branch_point = self.snapshot = self.rounds = 0
+        self.decide = self.context_full = self.needs_h_init = False
+        self.finish_reason = self.overhang = self.pending = ""
+
+path = sys.argv[2]
+journal = TreeJournal(path)
+journal.load()
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (20000, hard))  # the disk is full past 20 kB
+paths = {}
+for pos in range(12):  # each record ~2.5 kB: the later ones fail (EFBIG, never raised)
+    paths[pos] = P(0, 200 + pos)
+    journal.group(pos, pos + 1, pos + 1).record({"p": pos}, pos, [(paths[pos], -1, {})])
+errors = journal.counts["write_errors"]
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))  # room again
+journal.sent(3)  # the next record rewrites the file from memory
+again = TreeJournal(path)
+trees = again.load()
+print(json.dumps({"errors": errors, "stale_after": journal._stale,
+                  "positions": sorted(trees), "tokens": {p: len(t.paths[0].tokens)
+                                                         for p, t in trees.items()}}))
+"""
+
+
+def test_a_full_disk_never_reaches_the_rollout_and_the_file_catches_up(tmp_path):
+    """RLIMIT_FSIZE in a child process: writes past it fail with EFBIG as on a full disk
+    (Python ignores SIGXFSZ). Nothing is raised; once there is room, the file is rewritten
+    from the trees in memory and holds every tree not sent."""
+    import json as json_
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    res = subprocess.run([sys.executable, "-c", FULL_DISK, str(root), str(tmp_path / "j.bin")],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json_.loads(res.stdout.strip().splitlines()[-1])
+    assert out["errors"] >= 1 and out["stale_after"] is False
+    assert out["positions"] == [p for p in range(12) if p != 3]
+    assert out["tokens"] == {str(p): 200 + p for p in range(12) if p != 3}
