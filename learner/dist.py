@@ -55,10 +55,12 @@ def close_distributed() -> None:
 
 
 def exit_after_failure(code: int) -> None:
-    """End a rank whose collective failed, with ``code``, without running the interpreter's
-    exit: the broken gloo group's destructors abort the process there (``terminate called
-    without an active exception``, SIGABRT) and the supervisor would see a signal, not the
-    code. Output is flushed first; only a multi-rank group needs this."""
+    """End a rank of a multi-rank group with ``code``, without running the interpreter's
+    exit: a gloo group's destructors can abort the process there (``terminate called
+    without an active exception``, SIGABRT): always after a failed collective, and now and
+    then after a run that ended well and left its group (a peer leaving at the same time),
+    and the supervisor (torchrun, Slurm) would see a signal, not the code. Output is
+    flushed first; a single rank needs none of this."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

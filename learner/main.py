@@ -41,6 +41,16 @@ def main(argv: list[str] | None = None) -> int:
             log.exception("learner rank %d traceback", rank)
             exit_after_failure(ExitCode.FAILED)
         raise
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # a rank that ended well leaves its group, then ends without the interpreter's
+        # exit, where gloo's destructors can still abort it (a peer leaving at once)
+        from learner.dist import close_distributed, exit_after_failure
+
+        try:
+            close_distributed()
+        except Exception as exc:  # the run is done: leaving is best effort
+            logging.getLogger("learner").warning("leaving the process group: %s", exc)
+        exit_after_failure(ExitCode.OK)
     return ExitCode.OK
 
 
