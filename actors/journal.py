@@ -59,6 +59,12 @@ ARRAYS = (("tokens", np.int32), ("mask", np.uint8), ("logprobs", np.float32),
           ("versions", np.int32))
 
 
+def frame(rec: dict) -> bytes:
+    """One record as written: its length, its CRC, its msgpack body."""
+    body = msgpack.packb(rec, use_bin_type=True)
+    return HEADER.pack(len(body), zlib.crc32(body)) + body
+
+
 def journal_path(run_dir: str | Path, actor_id: int) -> Path:
     return Path(run_dir) / "journal" / f"actor{actor_id}.bin"
 
@@ -216,7 +222,7 @@ class TreeJournal:
             if self._stale:
                 self.compact()
             else:
-                self._append(msgpack.packb(rec, use_bin_type=True))
+                self._append(frame(rec))
             if self.fsync_s >= 0 and time.monotonic() - self._synced >= self.fsync_s:
                 os.fsync(self._open())
                 self.counts["fsyncs"] += 1
@@ -232,8 +238,7 @@ class TreeJournal:
             self.close()
         self.write_s += time.perf_counter() - t0
 
-    def _append(self, body: bytes) -> None:
-        data = HEADER.pack(len(body), zlib.crc32(body)) + body
+    def _append(self, data: bytes) -> None:
         if os.write(self._open(), data) != len(data):  # a short write leaves a torn record
             raise OSError(f"short write to {self.path}")
         self.counts["records"] += 1
@@ -248,11 +253,9 @@ class TreeJournal:
         try:
             with open(tmp, "wb") as f:
                 for tree in self.live.values():
-                    body = msgpack.packb(self._whole(tree), use_bin_type=True)
-                    f.write(HEADER.pack(len(body), zlib.crc32(body)) + body)
+                    f.write(frame(self._whole(tree)))
                 if not self.live and self.next >= 0:
-                    body = msgpack.packb({"k": "next", "n": self.next}, use_bin_type=True)
-                    f.write(HEADER.pack(len(body), zlib.crc32(body)) + body)
+                    f.write(frame({"k": "next", "n": self.next}))
                 f.flush()
                 os.fsync(f.fileno())
                 size = f.tell()

@@ -82,21 +82,18 @@ def wait_for(proc, cond, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
+def journal_now(path: Path) -> dict:
+    """The trees an actor's journal holds now (read through a copy; {} before it exists)."""
+    if not path.is_file():
+        return {}
+    probe = path.with_name("probe.bin")
+    shutil.copyfile(path, probe)
+    return TreeJournal(probe).load()
+
+
 def session_call_in_flight(path: Path) -> bool:
-    if not path.is_file():
-        return False
-    probe = path.with_name("probe.bin")
-    shutil.copyfile(path, probe)
     return any(p.phase == "calls" and p.sessions.get("python")
-               for t in TreeJournal(probe).load().values() for p in t.paths.values())
-
-
-def trees_in_flight(path: Path) -> bool:
-    if not path.is_file():
-        return False
-    probe = path.with_name("probe.bin")
-    shutil.copyfile(path, probe)
-    return bool(TreeJournal(probe).load())
+               for t in journal_now(path).values() for p in t.paths.values())
 
 
 def step(run_dir: Path) -> int:
@@ -133,7 +130,7 @@ def job_kill(args, model: Path, out: Path) -> dict:
     run_dir = out / "job_kill"
     proc = launch(overrides(args, run_dir, model, steps=14), out / "job_kill.out")
     wait_for(proc, lambda: 5 <= step(run_dir) < 12 and step(run_dir) % 4 and
-             trees_in_flight(journal_path(run_dir, 0)), 300,
+             bool(journal_now(journal_path(run_dir, 0))), 300,
              "a step past a checkpoint (every 4 steps) with trees in flight")
     roles = json.loads((run_dir / "processes.json").read_text())
     proc.kill()  # the launcher first: nothing restarts what follows
