@@ -72,12 +72,24 @@ def service_resume(run_dir: Path, meta: dict | None) -> dict | None:
     return {"version": meta["policy_version"], "ledger": meta.get("ledger", {}), "newer": newer}
 
 
+# Fault point for tests: "STEP" makes rank 0 stop inside the checkpoint write of that step,
+# its weights and optimizer state written into the partial folder and nothing committed, and
+# wait there to be killed: a crash mid-write, exactly where the test wants it. Unset in
+# every real run.
+FAULT_HOLD_CHECKPOINT = "ARPO_FAULT_HOLD_CHECKPOINT"
+
+
 def write_checkpoint(cfg, trainer, rank: int, world: int, step: int, state: dict | None) -> float:
     """Write the checkpoint of ``step`` (collective); seconds taken."""
     t0 = time.perf_counter()
     run_dir = Path(cfg.run.dir)
     tmp = broadcast(C.prepare(run_dir, step) if rank == 0 else None, rank, world)
     trainer.save_checkpoint(tmp, cfg.model.path)
+    if rank == 0 and os.environ.get(FAULT_HOLD_CHECKPOINT) == str(step):
+        log.warning("fault point %s: holding the checkpoint of step %d unfinished in %s",
+                    FAULT_HOLD_CHECKPOINT, step, tmp)
+        while True:
+            time.sleep(60)
     if rank == 0:
         C.commit(run_dir, tmp, step, state, cfg.learner.keep_checkpoints)
     return time.perf_counter() - t0

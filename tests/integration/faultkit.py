@@ -22,11 +22,15 @@ __all__ = ["Run", "check_ledger", "gone", "signal_group"]
 class Run:
     """A launcher started in the background, and what it writes in its run folder."""
 
-    def __init__(self, run_dir: Path, model: Path, *overrides: str, env: dict | None = None):
+    def __init__(self, run_dir: Path, model: Path | None, *overrides: str,
+                 env: dict | None = None):
+        """A new run of the spine config; ``model=None``: ``launch --resume run_dir``."""
         self.dir = run_dir
-        self.out = (run_dir.parent / f"{run_dir.name}.out").open("w")
+        self.out = (run_dir.parent / f"{run_dir.name}.out").open("a" if model is None else "w")
         cmd = [PY, "-m", "arpo_async.launch", "--quiet", "--config", SPINE, f"run.dir={run_dir}",
                f"model.path={model}", "learner.loss.entropy_coef=0.01", *overrides]
+        if model is None:
+            cmd = [PY, "-m", "arpo_async.launch", "--quiet", "--resume", str(run_dir)]
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=python_env() | (env or {}),
                                      stdout=self.out, stderr=subprocess.STDOUT)
 

@@ -1,8 +1,9 @@
 """Trees in flight survive their actor (actors/journal.py): SIGKILL an actor while its
 journal holds a tree with a Python call in flight and a session with state, and the
 launcher's restart finishes those trees instead of generating them again; then SIGKILL
-every process of the run after a step past its last checkpoint, and ``launch --resume``
-trains every prompt once.
+every process of the run after a step past its last checkpoint, ``launch --resume``, and
+SIGKILL every process again while the learner is inside a checkpoint write (held there by
+``ARPO_FAULT_HOLD_CHECKPOINT``), and ``launch --resume``: every prompt is trained once.
 
 A real run through the launcher (DeepSpeed learner, ZeroMQ, the Python sandbox with
 sessions, ``tools.python.state=session``), one actor on the simulated engine (it starts in
@@ -16,7 +17,9 @@ kill; and in every trained group (``learner.trees_every=1``) every leaf's Python
 read 1, 2, ... k, so the state set before the kill was read after it. The job kill:
 the resumed learner rolls back the groups trained after its checkpoint, the actor draws
 those prompts again (the Hello reply) after finishing its journal's trees, and over the
-whole run no prompt is skipped or generated twice."""
+whole run no prompt is skipped or generated twice. The kill mid-write: the half-written
+checkpoint is never loaded (both resumes start from the one before it) and the next write
+removes it."""
 
 from __future__ import annotations
 
@@ -30,13 +33,16 @@ import time
 import pytest
 
 from actors.journal import TreeJournal, journal_path
+from arpo_async.core import rundir as R
+from learner import checkpoint as C
+from learner.loop import FAULT_HOLD_CHECKPOINT
 from tests.conftest import PY, REPO, python_env
 from tests.integration.faultkit import Run, check_ledger, gone, signal_group
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 CODE = "import time; n = globals().get('n') or 0; n += 1; time.sleep(1.0); print(n)"
-STEPS = 8  # of 2 groups each, a checkpoint every 2
+STEPS = 10  # of 2 groups each, a checkpoint every 2
 
 
 def _holds_a_session_call(path) -> bool:
@@ -75,8 +81,8 @@ def _kill_everything(run: Run) -> None:
         time.sleep(0.1)
 
 
-def test_a_killed_actor_then_a_killed_job_lose_no_tree_and_no_prompt(tiny_model_dir,
-                                                                       tmp_path):
+def test_a_killed_actor_then_killed_jobs_lose_no_tree_and_no_prompt(tiny_model_dir,
+                                                                     tmp_path):
     run = Run(tmp_path / "run", tiny_model_dir, "actors.num=1", "actors.engine=simulated",
               f"actors.engine.python_code={json.dumps(CODE)}", "actors.engine.tokens_per_s=100",
               "actors.engine.tool_call_prob=0.8", "tools.enabled=[python]",
@@ -98,14 +104,33 @@ def test_a_killed_actor_then_a_killed_job_lose_no_tree_and_no_prompt(tiny_model_
     at_kill = tmp_path / "at_kill.bin"
     shutil.copyfile(live, at_kill)  # the restart backs off 1 s before it reads the file
     held = TreeJournal(at_kill).load()
+    tokens = sum(t.model_tokens() for t in held.values())
     run.wait_for("the restarted actor", lambda: "resuming" in run.role_log("actor0"), 120)
-    # the whole job, after an odd step (past the checkpoint of the even one before it)
-    run.wait_for("an odd step from 3 with trees in flight",
+    # the whole job, after an odd step (past the checkpoint of the even one before it), once
+    # the resumed trees were trained with every token they carried over (metrics.jsonl; a
+    # later job kill may roll their steps back: their prompts are then generated again)
+    run.wait_for("an odd step from 3 with trees in flight, the resumed tokens trained",
                  lambda: run.step() >= 3 and run.step() % 2 == 1 and
+                 sum(r["rollout/resumed_tokens"] for r in run.rows()) >= tokens and
                  bool(TreeJournal(shutil.copyfile(live, tmp_path / "p.bin")).load()), 300)
+    resumed = sum(r["rollout/resumed_tokens"] for r in run.rows())
     killed_at = run.step()
     _kill_everything(run)
     job = TreeJournal(shutil.copyfile(live, tmp_path / "at_job_kill.bin")).load()
+    # resumed, the whole job killed again while the learner writes its next checkpoint (its
+    # weights and optimizer state in the partial folder, nothing committed): the next
+    # resume starts from the same checkpoint as this one
+    resumed_from = C.read_meta(R.latest_checkpoint(run.dir))["step"]
+    hold = resumed_from + 2
+    assert hold <= STEPS, (killed_at, resumed_from)
+    mid = Run(run.dir, None, env={FAULT_HOLD_CHECKPOINT: str(hold)})
+    mid.wait_for(f"the checkpoint of step {hold} half written",
+                 lambda: f"holding the checkpoint of step {hold}" in run.role_log("learner"),
+                 300)
+    partial = list(R.checkpoints_dir(run.dir).glob(".partial-*"))
+    assert partial and (partial[0] / "model.safetensors").is_file(), partial
+    _kill_everything(mid)
+    mid_write = TreeJournal(shutil.copyfile(live, tmp_path / "at_write_kill.bin")).load()
     res = subprocess.run([PY, "-m", "arpo_async.launch", "--quiet", "--resume", str(run.dir)],
                          cwd=REPO, env=python_env(), capture_output=True, text=True,
                          timeout=400)
@@ -113,7 +138,6 @@ def test_a_killed_actor_then_a_killed_job_lose_no_tree_and_no_prompt(tiny_model_
     summary = json.loads((run.dir / "summary.json").read_text())
 
     assert summary["status"] == "ok" and summary["steps"] == STEPS
-    tokens = sum(t.model_tokens() for t in held.values())
     sessions = sum(bool(p.sessions.get("python")) for t in held.values()
                    for p in t.paths.values() if p.phase != "done")
     assert held and tokens > 0 and sessions >= 1
@@ -129,13 +153,15 @@ def test_a_killed_actor_then_a_killed_job_lose_no_tree_and_no_prompt(tiny_model_
     assert prompts["skipped"] == 0 and prompts["duplicates"] == 0, prompts
     dropped = ledger["0"]["dropped"]
     assert dropped.get("rolled_back", 0) >= 1 and "stale" not in dropped, ledger
-    job_tokens = sum(t.model_tokens() for t in job.values())
-    assert (f"resuming {len(job)} trees left in flight (positions {sorted(job)}, "
-            f"{job_tokens} model tokens)") in log, log[-2000:]
-    # the resumed trees were trained, every token they carried over (metrics.jsonl: the
-    # actor's kill, then the job's)
-    resumed = sum(r["rollout/resumed_tokens"] for r in run.rows())
-    assert resumed >= tokens, (resumed, tokens)
+    for kept in (job, mid_write):
+        kept_tokens = sum(t.model_tokens() for t in kept.values())
+        assert not kept or (f"resuming {len(kept)} trees left in flight (positions "
+                            f"{sorted(kept)}, {kept_tokens} model tokens)") in log, log[-2000:]
+    # the half-written checkpoint was never loaded: both resumes started from the one
+    # before it, and the next write removed the partial folder
+    resumes = re.findall(r"resumed from \S+: step (\d+)", run.role_log("learner"))
+    assert resumes == [str(resumed_from)] * 2, resumes
+    assert not list(R.checkpoints_dir(run.dir).glob(".partial-*"))
     # every trained group's leaves: the sessions counted on across both kills
     trees = [json.loads(p.read_text()) for p in sorted((run.dir / "trees").glob("*.json"))]
     results = [r for tree in trees for r in _leaf_results(tree)]
@@ -143,4 +169,5 @@ def test_a_killed_actor_then_a_killed_job_lose_no_tree_and_no_prompt(tiny_model_
     assert all(r == list(range(1, len(r) + 1)) for r in results), results
     print(f"\njournal: actor kill {len(held)} trees, {tokens} model tokens, {sessions} live "
           f"trajectories with a session; job kill at step {killed_at}, {len(job)} trees; "
+          f"job kill in the checkpoint write of step {hold}, {len(mid_write)} trees; "
           f"prompts {prompts}; dropped {dropped}; resumed tokens trained {resumed}")
