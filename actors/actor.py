@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from actors.control import ResilientControl
-from actors.journal import TreeJournal, TreeRecord, journal_path
+from actors.journal import TreeJournal, TreeRecord, journal_path, why_regenerate
 from actors.engines.base import GenerationEngine
 from actors.rollout import Occupancy, Rollout
 from arpo_async.core import protocol as P
@@ -235,15 +235,14 @@ class Actor:
                             "model: skipped", self.actor_id, pos)
                 self.journal.sent(pos)
                 continue
-            newest = max((max(p.versions, default=-1) for p in tree.paths.values()), default=-1)
-            if newest > self.control.learner_version >= 0:
-                # sampled by weights the learner rolled back (it resumed from an older
-                # checkpoint): those weights are gone, so the prompt starts again
+            version = self.control.learner_version
+            why = why_regenerate(tree, version, self.cfg.learner.max_staleness)
+            if why:  # the prompt starts again: its tokens could never be trained
                 log.warning("actor %d: the journal's tree at position %d holds tokens of "
-                            "v%d, rolled back by the learner (v%d): generated again",
-                            self.actor_id, pos, newest, self.control.learner_version)
+                            "v%d-v%d, %s at learner v%d: generated again", self.actor_id,
+                            pos, *tree.versions(), why.replace("_", " "), version)
                 self.journal.sent(pos)
-                self.journal.counts["trees_rolled_back"] += 1
+                self.journal.counts[f"trees_{why}"] += 1
             return pos, tree.end, prompt
         if self._redo:  # each fits the model (_plan_redo keeps only those)
             pos = self._redo.pop(0)

@@ -104,6 +104,25 @@ class TreeRecord:
         """Sampled tokens it holds, each once (a fork's shared prefix is its parent's)."""
         return sum(sum(p.mask[p.fields.get("branch_point", 0):]) for p in self.paths.values())
 
+    def versions(self) -> tuple[int, int]:
+        """(oldest, newest) weights version of its sampled tokens; (-1, -1) with none."""
+        seen = [v for p in self.paths.values() for v in p.versions if v >= 0]
+        return (min(seen), max(seen)) if seen else (-1, -1)
+
+
+def why_regenerate(tree: TreeRecord, learner_version: int, max_staleness: int) -> str:
+    """Why a resumed tree is generated again from its prompt instead of finished ("" when
+    it is finished): "rolled_back", it holds tokens of weights the learner no longer has
+    (it resumed from an older checkpoint); "stale", its oldest token is already past the
+    staleness bound, so the learner would drop the finished group (a version only grows:
+    finishing it cannot help). Unknown learner version (-1): finished."""
+    oldest, newest = tree.versions()
+    if learner_version < 0 or oldest < 0:
+        return ""
+    if newest > learner_version:
+        return "rolled_back"
+    return "stale" if learner_version - oldest > max_staleness else ""
+
 
 def _apply_path(tree: TreeRecord, item: dict) -> None:
     tid = int(item["t"])
@@ -144,7 +163,8 @@ class TreeJournal:
         self.next = -1  # the stream position the actor had drawn up to (-1: unknown)
         self.counts = dict.fromkeys(("records", "bytes", "fsyncs", "torn", "orphans",
                                      "bad_records", "write_errors", "compactions",
-                                     "trees_resumed", "tokens_resumed", "trees_rolled_back"), 0)
+                                     "trees_resumed", "tokens_resumed", "trees_rolled_back",
+                                     "trees_stale"), 0)
         self.write_s = 0.0
         self._fd: int | None = None
         self._size = 0  # bytes in the file since it was last compacted

@@ -171,3 +171,45 @@ def test_a_killed_actor_then_killed_jobs_lose_no_tree_and_no_prompt(tiny_model_d
           f"trajectories with a session; job kill at step {killed_at}, {len(job)} trees; "
           f"job kill in the checkpoint write of step {hold}, {len(mid_write)} trees; "
           f"prompts {prompts}; dropped {dropped}; resumed tokens trained {resumed}")
+
+
+def _journal_trees(path, probe) -> dict:
+    return TreeJournal(shutil.copyfile(path, probe)).load() if path.is_file() else {}
+
+
+def test_a_resumed_tree_past_the_staleness_bound_is_generated_again(tiny_model_dir, tmp_path):
+    """Actor 0 is stopped (SIGSTOP) with sampled tokens in its journal, held until the
+    learner, training actor 1's groups, is more than ``max_staleness`` versions past the
+    newest of its trees' oldest tokens, then SIGKILLed: the restart generates each of
+    those trees again from its prompt instead of finishing a group the learner would drop
+    "stale", and no prompt is skipped, trained twice or dropped stale."""
+    run = Run(tmp_path / "run", tiny_model_dir, "actors.num=2", "actors.engine=simulated",
+              "actors.engine.tool_call_prob=0.8", "tools.enabled=[python]",
+              "rollout.mode=arpo", "rollout.group_size=4", "rollout.initial_samples=2",
+              "rollout.tool_call_limit=2", "sampling.round_max_tokens=32",
+              "sampling.max_response_tokens=200", "actors.max_inflight_trajectories=8",
+              "learner.max_staleness=1", "learner.batch_groups=2", "learner.max_steps=16",
+              "learner.actor_silent_s=3", "actors.restart_backoff_s=1")
+    live, probe = journal_path(run.dir, 0), tmp_path / "probe.bin"
+    run.wait_for("sampled tokens in actor 0's journal", lambda: any(
+        t.versions()[0] >= 0 for t in _journal_trees(live, probe).values()), 300)
+    actor0 = run.pids()["actor0"]
+    signal_group(actor0, signal.SIGSTOP)
+    held = _journal_trees(live, tmp_path / "at_stop.bin")
+    sampled = sorted(pos for pos, t in held.items() if t.versions()[0] >= 0)
+    past = max(held[pos].versions()[0] for pos in sampled) + 2  # every one lags 2 or more
+    run.wait_for(f"the learner at v{past} on actor 1's groups", lambda: run.step() >= past, 300)
+    signal_group(actor0, signal.SIGKILL)
+    summary = run.finish(timeout=300)
+
+    assert summary["status"] == "ok", summary
+    log = run.role_log("actor0")
+    again = [int(p) for p in re.findall(r"tree at position (\d+) holds tokens of v\d+-v\d+, "
+                                        r"stale at learner v\d+: generated again", log)]
+    assert sorted(again) == sampled, (again, sampled, log[-2000:])
+    check_ledger(summary["ledger"])
+    prompts, dropped = summary["ledger"]["0"]["prompts"], summary["ledger"]["0"]["dropped"]
+    assert prompts["skipped"] == 0 and prompts["duplicates"] == 0, prompts
+    assert "stale" not in dropped, dropped  # finished, they would have been dropped so
+    print(f"\nstale resume: {len(held)} trees held, {len(sampled)} with sampled tokens "
+          f"generated again at learner v{past}+; actor 0 prompts {prompts}, dropped {dropped}")

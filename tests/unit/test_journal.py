@@ -17,7 +17,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from actors.engines.base import GenResult
-from actors.journal import HEADER, TreeJournal
+from actors.journal import HEADER, PathRecord, TreeJournal, TreeRecord, why_regenerate
 from actors.rollout import build_rollout
 from arpo_async.core.config import config_from_dict
 from toolenv.base import ToolResult
@@ -286,3 +286,20 @@ def test_a_full_disk_never_reaches_the_rollout_and_the_file_catches_up(tmp_path)
     assert out["errors"] >= 1 and out["stale_after"] is False
     assert out["positions"] == [p for p in range(12) if p != 3]
     assert out["tokens"] == {str(p): 200 + p for p in range(12) if p != 3}
+
+
+def test_a_resumed_tree_the_learner_could_not_train_is_generated_again():
+    """Finished only if its tokens can still be trained: none newer than the learner's
+    weights (a rolled-back version), none older than the staleness bound allows."""
+    tree = TreeRecord(pos=3, end=4, paths={
+        0: PathRecord(tokens=[1, 2, 3, 4], mask=[0, 1, 1, 0], versions=[-1, 5, 6, -1]),
+        1: PathRecord(tokens=[1, 2, 9], mask=[0, 1, 1], versions=[-1, 5, 7],
+                      fields={"branch_point": 2})})
+    assert tree.versions() == (5, 7)
+    assert why_regenerate(tree, 7, 2) == "" and why_regenerate(tree, 7, 0) == "stale"
+    assert why_regenerate(tree, 8, 3) == "" and why_regenerate(tree, 8, 2) == "stale"
+    assert why_regenerate(tree, 6, 2) == "rolled_back"  # v7's weights are gone
+    assert why_regenerate(tree, -1, 0) == ""  # the learner not heard from: finish it
+    roots = TreeRecord(pos=0, end=1, paths={0: PathRecord(tokens=[1], mask=[0],
+                                                          versions=[-1])})
+    assert roots.versions() == (-1, -1) and why_regenerate(roots, 50, 1) == ""
