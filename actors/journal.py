@@ -47,6 +47,7 @@ import msgpack
 import numpy as np
 
 from actors.rollout.path import LivePath
+from arpo_async.core.staleness import group_lag
 
 log = logging.getLogger("actor")
 
@@ -121,7 +122,7 @@ def why_regenerate(tree: TreeRecord, learner_version: int, max_staleness: int) -
         return ""
     if newest > learner_version:
         return "rolled_back"
-    return "stale" if learner_version - oldest > max_staleness else ""
+    return "stale" if group_lag(learner_version, oldest) > max_staleness else ""
 
 
 def _apply_path(tree: TreeRecord, item: dict) -> None:

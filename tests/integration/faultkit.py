@@ -27,10 +27,10 @@ class Run:
         """A new run of the spine config; ``model=None``: ``launch --resume run_dir``."""
         self.dir = run_dir
         self.out = (run_dir.parent / f"{run_dir.name}.out").open("a" if model is None else "w")
-        cmd = [PY, "-m", "arpo_async.launch", "--quiet", "--config", SPINE, f"run.dir={run_dir}",
-               f"model.path={model}", "learner.loss.entropy_coef=0.01", *overrides]
-        if model is None:
-            cmd = [PY, "-m", "arpo_async.launch", "--quiet", "--resume", str(run_dir)]
+        cmd = [PY, "-m", "arpo_async.launch", "--quiet"] + (
+            ["--resume", str(run_dir)] if model is None else
+            ["--config", SPINE, f"run.dir={run_dir}", f"model.path={model}",
+             "learner.loss.entropy_coef=0.01", *overrides])
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=python_env() | (env or {}),
                                      stdout=self.out, stderr=subprocess.STDOUT)
 

@@ -45,14 +45,15 @@ CODE = "import time; n = globals().get('n') or 0; n += 1; time.sleep(1.0); print
 STEPS = 10  # of 2 groups each, a checkpoint every 2
 
 
+def _journal_trees(path, copy) -> dict:
+    """The trees the journal at ``path`` holds, read through a copy ({} before it exists)."""
+    return TreeJournal(shutil.copyfile(path, copy)).load() if path.is_file() else {}
+
+
 def _holds_a_session_call(path) -> bool:
-    """The journal (read through a copy) has a trajectory whose calls are in flight and
-    whose session kept an earlier call."""
-    if not path.is_file():
-        return False
-    copy = path.with_name("probe.bin")
-    shutil.copyfile(path, copy)
-    trees = TreeJournal(copy).load()
+    """The journal has a trajectory whose calls are in flight and whose session kept an
+    earlier call."""
+    trees = _journal_trees(path, path.with_name("probe.bin"))
     return any(p.phase == "calls" and p.sessions.get("python") for t in trees.values()
                for p in t.paths.values())
 
@@ -101,9 +102,8 @@ def test_a_killed_actor_then_killed_jobs_lose_no_tree_and_no_prompt(tiny_model_d
     run.wait_for("a tree with a call in flight in a session with state",
                  lambda: _holds_a_session_call(live), 300)
     signal_group(run.pids()["actor0"], signal.SIGKILL)
-    at_kill = tmp_path / "at_kill.bin"
-    shutil.copyfile(live, at_kill)  # the restart backs off 1 s before it reads the file
-    held = TreeJournal(at_kill).load()
+    # the restart backs off 1 s before it reads the file
+    held = _journal_trees(live, tmp_path / "at_kill.bin")
     tokens = sum(t.model_tokens() for t in held.values())
     run.wait_for("the restarted actor", lambda: "resuming" in run.role_log("actor0"), 120)
     # the whole job, after an odd step (past the checkpoint of the even one before it), once
@@ -112,11 +112,11 @@ def test_a_killed_actor_then_killed_jobs_lose_no_tree_and_no_prompt(tiny_model_d
     run.wait_for("an odd step from 3 with trees in flight, the resumed tokens trained",
                  lambda: run.step() >= 3 and run.step() % 2 == 1 and
                  sum(r["rollout/resumed_tokens"] for r in run.rows()) >= tokens and
-                 bool(TreeJournal(shutil.copyfile(live, tmp_path / "p.bin")).load()), 300)
+                 bool(_journal_trees(live, tmp_path / "p.bin")), 300)
     resumed = sum(r["rollout/resumed_tokens"] for r in run.rows())
     killed_at = run.step()
     _kill_everything(run)
-    job = TreeJournal(shutil.copyfile(live, tmp_path / "at_job_kill.bin")).load()
+    job = _journal_trees(live, tmp_path / "at_job_kill.bin")
     # resumed, the whole job killed again while the learner writes its next checkpoint (its
     # weights and optimizer state in the partial folder, nothing committed): the next
     # resume starts from the same checkpoint as this one
@@ -130,7 +130,7 @@ def test_a_killed_actor_then_killed_jobs_lose_no_tree_and_no_prompt(tiny_model_d
     partial = list(R.checkpoints_dir(run.dir).glob(".partial-*"))
     assert partial and (partial[0] / "model.safetensors").is_file(), partial
     _kill_everything(mid)
-    mid_write = TreeJournal(shutil.copyfile(live, tmp_path / "at_write_kill.bin")).load()
+    mid_write = _journal_trees(live, tmp_path / "at_write_kill.bin")
     res = subprocess.run([PY, "-m", "arpo_async.launch", "--quiet", "--resume", str(run.dir)],
                          cwd=REPO, env=python_env(), capture_output=True, text=True,
                          timeout=400)
@@ -171,10 +171,6 @@ def test_a_killed_actor_then_killed_jobs_lose_no_tree_and_no_prompt(tiny_model_d
           f"trajectories with a session; job kill at step {killed_at}, {len(job)} trees; "
           f"job kill in the checkpoint write of step {hold}, {len(mid_write)} trees; "
           f"prompts {prompts}; dropped {dropped}; resumed tokens trained {resumed}")
-
-
-def _journal_trees(path, probe) -> dict:
-    return TreeJournal(shutil.copyfile(path, probe)).load() if path.is_file() else {}
 
 
 def test_a_resumed_tree_past_the_staleness_bound_is_generated_again(tiny_model_dir, tmp_path):
