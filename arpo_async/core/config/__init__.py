@@ -207,8 +207,9 @@ def set_value(tree: dict, dotted: str, value: Any) -> None:
     """Set ``dotted`` to ``value`` in a raw config tree, tagged unions understood:
     - a bare tag on the way (``actors.engine: simulated``) opens as that member's section;
     - a section's tag set to another member (``rollout.mode=grpo``,
-      ``actors.engine.type=transformers``) keeps the keys the new member has and drops
-      the others (``Tagged.retag``);
+      ``actors.engine.type=transformers``) keeps the keys the two members share and drops
+      the others, a key of the same name that means something else in the new member
+      included (``learner.loss.eps_low``: ``Tagged.retag``);
     - a union set to a bare tag starts that member afresh (``actors.engine=simulated``),
       unless it names the tag the section already has (its keys stay)."""
     parts = dotted.split(".")
@@ -266,12 +267,39 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: top level must be a mapping")
     _refuse_renamed(tree)  # before the overrides, which may not fit an old file's shape
+    given: list[str] = []
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected key=value")
         key, raw = item.split("=", 1)
         _set_dotted(tree, key.strip(), raw)
+        # a switch of member drops the keys the new one does not share (Tagged.retag): an
+        # override given before it, of a key the new member has, would be lost without a word
+        lost = [k for k in given if _dropped(tree, k)]
+        if lost:
+            raise ConfigError(f"{lost[0]}: dropped by the later override {item.strip()} (a "
+                              "switch of tag keeps only the keys two members share, a bare "
+                              "tag starts afresh); give it after that override")
+        given.append(key.strip())
     return config_from_dict(tree)
+
+
+def _dropped(tree: dict, dotted: str) -> bool:
+    """Whether the raw tree lacks ``dotted`` though the union section it belongs to takes
+    that key: a switch of member dropped it, as a key that means something else there."""
+    *path, last = dotted.split(".")
+    node: Any = tree
+    for part in path:
+        if not isinstance(node, dict) or part not in node:
+            return False  # its section went: a key of the new member's defaults
+        node = node[part]
+        if isinstance(node, (str, bool)) and part in UNIONS:  # a bare tag: its section
+            node = {UNIONS[part].tag: node}
+    union = UNIONS.get(path[-1]) if path else None
+    if union is None or not isinstance(node, dict) or last in node:
+        return False
+    kind = union.kind(node)
+    return isinstance(kind, str) and last in getattr(union.members.get(kind), "model_fields", ())
 
 
 def _value_text(value: Any) -> str | None:

@@ -4,6 +4,7 @@ a section whose keys depend on one of its values (``learner.loss.type``,
 
 from __future__ import annotations
 
+import inspect
 from typing import Annotated, Any, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
@@ -32,6 +33,13 @@ class Tagged:
         self.annotation = Annotated[Union[tuple(members.values())],  # noqa: UP007
                                     Field(discriminator=tag), BeforeValidator(self.section)]
 
+    def kind(self, raw: dict[str, Any]) -> Any:
+        """The tag value of a raw section (the default when left out)."""
+        kind = raw.get(self.tag, self.default)
+        if kind is False and "off" in self.members:
+            kind = "off"  # YAML 1.1 reads a bare `off` as false
+        return kind
+
     def section(self, raw: Any) -> Any:
         """The raw mapping with its tag (the default when left out; a bare tag value stands
         for that member with its defaults); a key of another member is refused naming both,
@@ -40,9 +48,7 @@ class Tagged:
             raw = {self.tag: raw}
         if not isinstance(raw, dict):
             return raw
-        kind = raw.get(self.tag, self.default)
-        if kind is False and "off" in self.members:
-            kind = "off"  # YAML 1.1 reads a bare `off` as false
+        kind = self.kind(raw)
         cls = self.members.get(kind)
         if cls is None:
             raise ValueError(f"{self.where}.{self.tag}: {kind!r} is not a {self.noun} "
@@ -55,8 +61,28 @@ class Tagged:
                                      f"{', '.join(owners)}, not of {kind}")
         return {**raw, self.tag: kind}
 
+    def shared(self, old: str, new: str) -> set[str]:
+        """The keys that mean the same in members ``old`` and ``new``: those both inherit
+        from the one class that declares them (``_LossBase.kl_coef``). A key a member
+        declares itself is its own, even where another member has one of the same name
+        (``learner.loss.eps_low``: a token ratio clip in ppo, a sequence ratio clip in gspo,
+        an IS-weight clip in cispo). An unknown ``old`` shares what every member shares."""
+        olds = ([self.members[old]] if isinstance(old, str) and old in self.members
+                else list(self.members.values()))
+        cls = self.members[new]
+        return {key for key in cls.model_fields if key != self.tag
+                and all(key in o.model_fields and _declarer(o, key) is _declarer(cls, key)
+                        for o in olds)}
+
     def retag(self, raw: dict[str, Any], kind: str) -> dict[str, Any]:
-        """The raw section as member ``kind``: its tag set, the keys ``kind`` does not have
-        dropped (an AEPO run's rollout evaluated as GRPO)."""
-        fields = self.members[kind].model_fields
-        return {**{k: v for k, v in raw.items() if k in fields}, self.tag: kind}
+        """The raw section as member ``kind``: its tag set, the keys it shares with the
+        section's member kept (``shared``), every other key dropped, so that a key whose
+        meaning differs starts at the new member's default (an AEPO run's rollout evaluated
+        as GRPO keeps ARPO's keys; a PPO preset run as GSPO gets GSPO's clip, not PPO's)."""
+        keep = self.shared(self.kind(raw), kind)
+        return {**{k: v for k, v in raw.items() if k in keep}, self.tag: kind}
+
+
+def _declarer(cls: type, key: str) -> type:
+    """The class in ``cls``'s bases whose own body declares field ``key``."""
+    return next(c for c in cls.__mro__ if key in inspect.get_annotations(c))

@@ -1,7 +1,12 @@
 """``learner.loss``: the policy loss, one settings class per loss type, chosen by ``type``.
 
 The keys every loss shares (the proximal policy, advantage attribution, the importance
-weight, KL and entropy terms) are ``_LossBase``'s; each type adds its own. These classes
+weight, KL and entropy terms) are ``_LossBase``'s; each type adds its own. A type's own
+clip, ``eps_low`` and ``eps_high``, is declared in each class because it means another
+clip in each (a token ratio's, a sequence ratio's, an IS weight's), so a switch of
+``type`` never carries it: ``learner.loss.type=gspo`` over a PPO preset runs GSPO's
+default clip, and a clip written beside the type (in YAML, or as an override after the
+switch) is that type's (``Tagged.shared``; tests/unit/test_loss_switch.py). These classes
 are the only declaration of a loss's knobs: the learner hands the validated section to
 the loss function (learner/losses/), which reads the attributes it needs. A new loss type
 is a class here, added to ``LOSS_TYPES``, and its module under learner/losses/
