@@ -267,15 +267,9 @@ class Actor:
         journal = (self.journal.group(pos, end, self.source.position)
                    if self.journal is not None else None)
         group = await self.rollout.run(prompt, self.actor_id, journal)
-        # the actor's own figures next to the rollout's (branch/*), never instead of them
         if self._hold is not None:
-            (hold_s, *until), self._hold = self._hold, None
-            log.warning("actor %d: %s: holding group at position %d for %.0f s",
-                        self.actor_id, FAULT_HOLD_FIRST_GROUP, pos, hold_s)
-            end = time.monotonic() + hold_s
-            while time.monotonic() < end and not (
-                    until and self.control.learner_version >= until[0]):
-                await asyncio.sleep(0.1)
+            await self._fault_hold(pos)
+        # the actor's own figures next to the rollout's (branch/*), never instead of them
         group.stats = {**group.stats, "gen_s": time.time() - group.created_at,
                        "pid": float(os.getpid()), "data_pos": float(pos),
                        "data_end": float(end),
@@ -287,6 +281,18 @@ class Actor:
         self.groups_sent += 1
         self.model_tokens += sum(int(leaf.loss_mask.sum()) for leaf in group.leaves)
         self.tool_calls += group.tool_calls_executed
+
+    async def _fault_hold(self, pos: int) -> None:
+        """FAULT_HOLD_FIRST_GROUP: hold the group at ``pos`` before it is sent (its own
+        function, so that its deadline shares no name with the group's provenance: a
+        deadline once went out as the group's data_end)."""
+        (hold_s, *until), self._hold = self._hold, None
+        log.warning("actor %d: %s: holding group at position %d for %.0f s",
+                    self.actor_id, FAULT_HOLD_FIRST_GROUP, pos, hold_s)
+        deadline = time.monotonic() + hold_s
+        while time.monotonic() < deadline and not (
+                until and self.control.learner_version >= until[0]):
+            await asyncio.sleep(0.1)
 
     async def _slot(self) -> None:
         """Group slots (``max_inflight_trajectories=0``): one group at a time, whole."""

@@ -14,7 +14,8 @@ incarnation, because whether an arriving group still holds capacity depends on t
 actor's history: a group of an earlier incarnation, or one whose ticket was released
 while the actor was silent ("orphaned"), must not release capacity a second time. The
 caller (learner/service.py) owns the admission controller and the lock; the methods
-here only count, and return what the caller has to release.
+here only count (and log a peer's impossible claim once), and return what the caller has
+to release or drop.
 
 State for checkpoints and ``RUN_DIR/state.json`` is JSON: ``{actor_id: {"pid",
 "received_total", "trained", "dropped", "sent_by_pid", "received_by_pid",
@@ -24,9 +25,16 @@ not saved: they belong to the learner process that granted them.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+
+log = logging.getLogger("learner.ledger")
+
+# why a group's prompt is not taken (the caller drops the group under this reason)
+DUPLICATE = "duplicate"  # its stream positions were taken already
+BAD_ORIGIN = "bad_origin"  # it claims stream positions no draw spans (``span_end``)
 
 
 def peer_count(value, default: int) -> int:
@@ -38,7 +46,22 @@ def peer_count(value, default: int) -> int:
     return default
 
 
-MAX_SPAN = 4096  # most stream positions one group may claim (a peer's absurd span is one)
+# Most stream positions one group may claim: its draw passes over the prompts too long for
+# the model (PromptSource.next: at most one pass of the task's, a count the learner does not
+# know); 4096 in a row of a shuffled order is no run's data (at 99% too long, 1e-18).
+MAX_SPAN = 4096
+
+
+def span_end(pos: int, end_stat) -> int:
+    """The end of the stream positions [pos, end) a group at ``pos`` claims (``end_stat``:
+    its ``stats["data_end"]``; ``pos + 1`` when it does not say), or -1 when no draw spans
+    them: an end that is not a whole number (positions are counts; a clock's deadline once
+    went out as one), not past ``pos`` (a draw takes its own prompt's position), or more
+    than ``MAX_SPAN`` past it."""
+    if end_stat is None:
+        return pos + 1
+    end = peer_count(end_stat, -1)
+    return end if end == end_stat and pos < end <= pos + MAX_SPAN else -1
 
 
 @dataclass
@@ -121,6 +144,7 @@ class ActorLedger:
     host: str = ""  # the machine its Hello named
     stats: dict = field(default_factory=dict)
     prompts: PromptRecord = field(default_factory=PromptRecord)
+    told_bad_origin: bool = False  # its first impossible claim was logged (this process)
 
     def sent(self) -> int:
         """Groups sent over all incarnations; a dead one counts at least what arrived."""
@@ -265,15 +289,25 @@ class Ledger:
         return led.take_ticket(pid, peer_count(ticket_version_stat, -1),
                                peer_count(ticket_epoch_stat, -1))
 
-    def take_prompt(self, actor_id: int, data_pos_stat, data_end_stat=None) -> bool:
-        """Record the prompt of a group that arrived (``data_pos_stat``,
-        ``data_end_stat``: its ``stats["data_pos"]`` and ``["data_end"]``); False for a
-        duplicate, which the caller drops ("duplicate"). A group without a position is not
-        tracked (True); a span past ``MAX_SPAN`` positions counts as one."""
+    def claim_prompt(self, actor_id: int, data_pos_stat, data_end_stat=None) -> str:
+        """A group that arrived claims the stream positions its draw consumed, [data_pos,
+        data_end) (``data_pos_stat``, ``data_end_stat``: its ``stats["data_pos"]`` and
+        ``["data_end"]``): "" when they are taken now, else why the caller drops the group:
+        DUPLICATE (one was taken already) or BAD_ORIGIN (no draw spans them, ``span_end``:
+        nothing is taken, and an actor's first is logged). A group without a position is
+        not tracked ("")."""
         pos = peer_count(data_pos_stat, -1)
-        end = peer_count(data_end_stat, -1)
-        end = end if pos < end <= pos + MAX_SPAN else None
-        return pos < 0 or self.actor(actor_id).prompts.take(pos, end)
+        if pos < 0:
+            return ""
+        led, end = self.actor(actor_id), span_end(pos, data_end_stat)
+        if end < 0:
+            if not led.told_bad_origin:
+                led.told_bad_origin = True
+                log.warning("actor %d: a group claims stream positions [%d, %r), which no "
+                            "draw spans: refused, %s (its first; the others only counted)",
+                            actor_id, pos, data_end_stat, BAD_ORIGIN)
+            return BAD_ORIGIN
+        return "" if led.prompts.take(pos, end) else DUPLICATE
 
     def prompts_held(self, actor_id: int) -> tuple[int, list[int]]:
         """For the reply to an actor's Hello: the positions of its prompts taken, as

@@ -259,9 +259,10 @@ class LearnerService:
                                            group.stats.get("ticket_version"),
                                            group.stats.get("ticket_epoch"))
             self.tokens.receive(group)
-            if not self.ledger.take_prompt(group.actor_id, group.stats.get("data_pos"),
-                                           group.stats.get("data_end")):
-                self._drop(_Held(group, ticketed), "duplicate")  # this prompt came before
+            why = self.ledger.claim_prompt(group.actor_id, group.stats.get("data_pos"),
+                                           group.stats.get("data_end"))
+            if why:  # this prompt came before, or no draw spans what the group claims
+                self._drop(_Held(group, ticketed), why)
                 return
             if not ticketed and not self.filter.reason(self.version, group.min_version()):
                 self.events["untracked"] += 1  # trained without a counted ticket: it takes
@@ -471,8 +472,8 @@ class LearnerService:
                     self.ledger.receive(group.actor_id, group.stats.get("pid"),
                                         group.stats.get("ticket_version"),
                                         group.stats.get("ticket_epoch"))
-                    self.ledger.take_prompt(group.actor_id, group.stats.get("data_pos"),
-                                            group.stats.get("data_end"))
+                    self.ledger.claim_prompt(group.actor_id, group.stats.get("data_pos"),
+                                             group.stats.get("data_end"))
                     self.ledger.drop(group.actor_id, "shutdown")
                     self.tokens.receive(group)
                     self.tokens.drop(group, "shutdown")
