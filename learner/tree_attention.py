@@ -4,10 +4,8 @@ The rule is one line: token q attends to token k iff ``k <= q < end[k]`` (k is a
 ancestor of q, or q itself, in the pre-order layout). Backends (``learner.packed_attention``):
 
 * ``dense``: that rule as a 4D mask ``[1, 1, T, T]`` handed to the model's own sdpa
-  (boolean, True = attend) or eager (additive float) attention. transformers returns a
-  4D mask unchanged (``masking_utils._preprocess_mask_arguments``), and Qwen3Model takes a
-  dict ``{"full_attention": mask}`` as the per-layer masks directly. Memory and compute
-  grow with T x T, across groups too.
+  (boolean, True = attend) or eager (additive float) attention. Memory and compute grow
+  with T x T, across groups too.
 * ``tiles`` (CPU default): per chain segment of the layout (a prompt, a leaf's own
   tokens), one sdpa call whose keys are the segment's ancestors (gathered) and the
   segment itself, under a causal mask offset by the ancestors. The cost per token is its
@@ -17,10 +15,21 @@ ancestor of q, or q itself, in the pre-order layout). Backends (``learner.packed
 * ``varlen`` (flat packing on GPU with flash-attention 2): no mask, the position ids
   restart at 0 for every leaf and transformers' flash path turns them into cu_seqlens.
 
+How the mask reaches the attention, for every decoder transformers ships: the model is
+called with ``attention_mask=<the mask>``, and each decoder turns it into its layers' mask
+with ``masking_utils.create_causal_mask``. A 4D tensor or a ``BlockMask`` comes back from
+it unchanged; a ``TileMask`` (4D ``shape`` and ``ndim``, no tensor) goes on to the mask
+function registered for the attention implementation (``AttentionMaskInterface``), which
+here returns it as it is. No model family's forward signature is relied on (Qwen3Model
+also took a per-layer dict; LlamaModel does not).
+
 ``enable(model)`` registers one attention function (and its mask function) per base
 implementation under ``arpo_packed_<base>`` and switches the model to it: a ``TileMask``
 or ``BlockMask`` goes to the packed kernels, anything else (the padded path, the actor
-agreement probe) to the base implementation, unchanged.
+agreement probe) to the base implementation, unchanged. A model with layers that are not
+full attention (sliding windows, the linear attention of Qwen3.5 / Qwen3-Next) is refused:
+a token's visible set there is not its tree path, or the layer is a recurrence over the
+packed row, so only ``learner.packing=padded`` computes it right.
 """
 
 from __future__ import annotations
@@ -52,6 +61,10 @@ class TileMask:
     @property
     def shape(self) -> tuple[int, ...]:  # for code that inspects masks
         return (1, 1, self.length, self.length)
+
+    @property
+    def ndim(self) -> int:  # masking_utils: a 4D mask is not a padding mask to expand
+        return 4
 
 
 def dense_mask(end: np.ndarray, device, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -144,18 +157,49 @@ def _dispatcher(base: str):
     return attention
 
 
+def _mask_dispatcher(base: str):
+    """The mask function of ``arpo_packed_<base>``: a packed mask as it is, anything
+    else (a padding mask, none) as the base implementation builds it."""
+    base_fn = ALL_MASK_ATTENTION_FUNCTIONS[base]
+
+    def mask(*args, attention_mask=None, **kwargs):
+        if isinstance(attention_mask, TileMask):
+            return attention_mask
+        return base_fn(*args, attention_mask=attention_mask, **kwargs)
+
+    return mask
+
+
+def unsupported_layers(config) -> str | None:
+    """Why a model cannot run packed trees (None: it can): every layer must be full
+    attention. ``sliding_window`` set without ``layer_types`` (Mistral, Qwen2) counts as
+    sliding when the model uses it."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    kinds = sorted(set(getattr(cfg, "layer_types", None) or ["full_attention"]))
+    other = [k for k in kinds if k != "full_attention"]
+    if other:
+        return f"{type(cfg).__name__} has {', '.join(other)} layers"
+    window = getattr(cfg, "sliding_window", None)
+    if (window and getattr(cfg, "use_sliding_window", True)
+            and getattr(cfg, "layer_types", None) is None):
+        return f"{type(cfg).__name__} uses a sliding window of {window}"
+    return None
+
+
 def enable(model) -> str:
     """Switch ``model`` to the packed dispatcher over its current implementation;
-    returns the base implementation's name."""
+    returns the base implementation's name. Refuses a model whose layers a tree mask
+    cannot serve, naming the packing that works."""
     base = model.config._attn_implementation
     if base.startswith(PREFIX):
         return base[len(PREFIX):]
-    if "sliding_attention" in (getattr(model.config, "layer_types", None) or []):
-        raise ValueError("packed batches: sliding-window layers are not supported "
-                         "(use learner.packing=padded)")
+    why = unsupported_layers(model.config)
+    if why:
+        raise ValueError(f"learner.packing: {why}; packed trees need full attention in "
+                         "every layer (use learner.packing=padded)")
     name = PREFIX + base
     AttentionInterface.register(name, _dispatcher(base))
-    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
+    AttentionMaskInterface.register(name, _mask_dispatcher(base))
     model.set_attn_implementation(name)
     return base
 
@@ -176,7 +220,7 @@ def resolve(choice: str, packing: str, device_type: str, base: str) -> str:
 
 
 def attention_mask(batch, backend: str, device, dtype: torch.dtype, base: str):
-    """The per-layer mask mapping Qwen3Model takes as it is."""
+    """The packed mask, passed as the model's ``attention_mask`` (module docstring)."""
     if backend == "dense":
         mask = dense_mask(batch.end, device, torch.bool if base == "sdpa" else dtype)
     elif backend == "tiles":
@@ -187,4 +231,4 @@ def attention_mask(batch, backend: str, device, dtype: torch.dtype, base: str):
         mask = None
     else:
         raise ValueError(f"learner.packed_attention {backend!r}")
-    return {"full_attention": mask}
+    return mask
