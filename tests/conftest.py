@@ -18,7 +18,7 @@ SPINE = str(REPO / "configs" / "spine.yaml")
 # The longest test files (a quiet serial run, 2026-12-03: 250 s down to 60 s each) run
 # first: the parallel workers take files in collection order (pyproject.toml), and one of
 # these started last would finish alone long after the rest.
-LONGEST_FIRST = ["test_faults_processes", "test_real_tokenizer_chain",
+LONGEST_FIRST = ["test_faults_processes", "test_smollm2", "test_real_tokenizer_chain",
                  "test_real_tokenizer_chain_xml", "test_learner_hosts", "test_resume",
                  "test_netns", "test_pipeline", "test_chaos", "test_experiments", "test_spine",
                  "test_engines", "test_sft_eval", "test_faults_frames", "test_sandbox",

@@ -243,10 +243,14 @@ class _Batches:
         return self.queue.pop()
 
 
-def _train_step(model: Any, opt: Any, ids: Any, mask: Any, chunk: int) -> tuple[float, float]:
+def _train_step(model: Any, opt: Any, ids: Any, mask: Any, chunk: int,
+                dtype: str = "float32") -> tuple[float, float]:
+    """One AdamW step; ``dtype``: the compute dtype (bfloat16: autocast over the float32
+    weights)."""
     import torch
 
-    loss, m = masked_lm_loss(model, ids, mask, chunk)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+        loss, m = masked_lm_loss(model, ids, mask, chunk)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -268,15 +272,16 @@ def run_sft(model_dir: str | Path, data_path: str | Path, out_dir: str | Path,
             batch_size: int = 16, seed: int = 0, threads: int = 2, weight_decay: float = 0.0,
             max_len: int = 512, log: Callable[[str], None] | None = None,
             warmup_frac: float = 0.05, min_lr_frac: float = 0.1, tools: Any = None,
-            template_kwargs: dict | None = None, chunk: int = 512) -> dict:
+            template_kwargs: dict | None = None, chunk: int = 512,
+            dtype: str = "float32") -> dict:
     """Fine-tune ``model_dir`` on the traces in ``data_path``; save to ``out_dir``.
     Stops after ``steps`` or ``time_budget_s`` seconds of training, whichever comes
     first (at least one must be given); the learning-rate schedule runs over ``steps``
     when given, else over the time budget. ``tools``: the run's ``ToolsConfig``, so the
     traces are encoded in its ``tools.syntax`` with its tools (None: ARPO's tags as
     written); ``template_kwargs``: extra chat-template arguments (``model.chat_template_kwargs``);
-    ``chunk``: targets per output-layer pass (``pipeline.sft_logprob_chunk_tokens``). Returns the
-    run's figures."""
+    ``chunk``: targets per output-layer pass (``pipeline.sft_logprob_chunk_tokens``);
+    ``dtype``: the compute dtype (``pipeline.sft_dtype``). Returns the run's figures."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer  # transformers: heavy
 
@@ -304,7 +309,7 @@ def run_sft(model_dir: str | Path, data_path: str | Path, out_dir: str | Path,
             progress = step / steps if steps else elapsed / time_budget_s
             group["lr"] = lr * lr_factor(progress, warmup_frac, min_lr_frac)
         ids, mask = collate([data[i] for i in batches.next()], pad)
-        window.append(_train_step(model, opt, ids, mask, chunk))
+        window.append(_train_step(model, opt, ids, mask, chunk, dtype))
         step, tokens = step + 1, tokens + ids.numel()
         # step 1 is always a line of its own: loss_first is the loss before any update
         if time.perf_counter() - last_log >= LOG_EVERY_S or step in (1, steps):
@@ -352,13 +357,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-len", type=int, default=512, help="longest trace, tokens")
     ap.add_argument("--chunk-tokens", type=int, default=512,
                     help="targets per output-layer pass (0: all at once)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="compute dtype (bfloat16: autocast over float32 master weights)")
     args = ap.parse_args(argv)
     if not args.steps and not args.time_budget_s:
         ap.error("give --steps or --time-budget-s")
     result = run_sft(args.model, args.data, args.out, steps=args.steps,
                      time_budget_s=args.time_budget_s, lr=args.lr, batch_size=args.batch_size,
                      seed=args.seed, threads=args.threads, weight_decay=args.weight_decay,
-                     max_len=args.max_len, chunk=args.chunk_tokens)
+                     max_len=args.max_len, chunk=args.chunk_tokens, dtype=args.dtype)
     result.pop("history")
     print(json.dumps(result))
 

