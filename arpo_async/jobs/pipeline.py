@@ -123,7 +123,7 @@ def cold_start_sft(cfg: Config, model_path: str, out: Path) -> dict:
                   warmup_frac=p.sft_warmup_frac, min_lr_frac=p.sft_min_lr_frac,
                   max_len=cfg.model.max_model_len, log=lambda s: print(s, flush=True),
                   tools=cfg.tools, template_kwargs=cfg.model.chat_template_kwargs,
-                  chunk=p.sft_logprob_chunk_tokens)
+                  chunk=p.sft_logprob_chunk_tokens, dtype=p.sft_dtype)
     return {k: v for k, v in res.items() if k != "history"}
 
 
@@ -275,13 +275,37 @@ def run(args, cfg: Config | None = None) -> int:
         rl = stages.run("rl", run_rl, cfg, run_dir, start_model, url, quiet)
         after = stages.run("eval_rl", run_eval, cfg, rl["checkpoint"], url, run_dir / "eval" / "rl")
     stages.state["wall_time_s"] = time.time() - t0
-    summary = write_summary(run_dir, stages, before, rl, after)
+    name = "smollm2" if cfg.model.build == "smollm2" else Path(cfg.model.path).name
+    summary = write_summary(run_dir, stages, before, rl, after, name)
     wandb_log_images(run_dir, cfg.metrics, [Path(p) for p in summary["plots"]])
     print_summary(summary)
     return 0
 
 
-def write_summary(run_dir: Path, stages: StageLog, before: dict, rl: dict, after: dict) -> dict:
+def gain_se(before_items: Path, after_items: Path) -> tuple[float, int]:
+    """(standard error of pass@1 after RL minus after SFT, prompts paired): each held-out
+    prompt's mean score over its k samples before and after, the difference per prompt,
+    its sample sd over sqrt(n). Clustered by prompt: the k samples of a prompt are not
+    independent, and the same prompts are evaluated twice (a paired design)."""
+    def means(path: Path) -> dict[str, float]:
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return {r["id"]: sum(r["scores"]) / len(r["scores"]) for r in rows if r["scores"]}
+
+    a, b = means(before_items), means(after_items)
+    diffs = [b[k] - a[k] for k in a.keys() & b.keys()]
+    n = len(diffs)
+    if n < 2:
+        return float("nan"), n
+    mean = sum(diffs) / n
+    var = sum((d - mean) ** 2 for d in diffs) / (n - 1)
+    return (var / n) ** 0.5, n
+
+
+GAIN_TARGET = 0.10  # pass@1 points RL should add over SFT, outside two standard errors
+
+
+def write_summary(run_dir: Path, stages: StageLog, before: dict, rl: dict, after: dict,
+                  model: str = "") -> dict:
     """RUN_DIR/summary.json: the RL run's own summary plus the pipeline's figures."""
     path = run_dir / "summary.json"
     rl_summary = json.loads(path.read_text()) if path.exists() else {}
@@ -302,7 +326,10 @@ def write_summary(run_dir: Path, stages: StageLog, before: dict, rl: dict, after
         "stages_s": {k: v["seconds"] for k, v in stages.state["stages"].items()},
         "wall_time_s": round(stages.state["wall_time_s"], 1),
         "rl_status": rl_summary.get("status"),
+        "model_name": model,
     }
+    se, _ = gain_se(Path(before["dir"]) / "items.jsonl", Path(after["dir"]) / "items.jsonl")
+    summary["gain_se"] = round(se, 4)
     summary["status"] = "ok"
     summary["plots"] = [str(p) for p in write_plots(run_dir)]
     atomic_write_bytes(path, json.dumps(summary, indent=1).encode())
@@ -315,7 +342,8 @@ def print_summary(s: dict) -> None:
     lines = [
         f"held-out accuracy (pass@1, {s['heldout_size']} prompts x {s['eval_k']} samples): "
         f"after SFT {s['accuracy_after_sft']:.3f} -> after RL {s['accuracy_after_rl']:.3f} "
-        f"({100 * (s['accuracy_after_rl'] - s['accuracy_after_sft']):+.1f} points)",
+        f"({100 * (s['accuracy_after_rl'] - s['accuracy_after_sft']):+.1f} points, "
+        f"s.e. {100 * s.get('gain_se', float('nan')):.1f}, prompts paired)",
         "  by kind: " + ", ".join(f"{k} {v['after_sft']:.3f}->{v['after_rl']:.3f}"
                                   for k, v in s["per_kind"].items()),
         f"tool calls per answer: {s['tool_calls_per_sample_after_sft']:.2f} -> "
@@ -328,4 +356,9 @@ def print_summary(s: dict) -> None:
         "stages (s): " + ", ".join(f"{k} {v}" for k, v in s["stages_s"].items()),
         f"wall time: {s['wall_time_s']:.0f} s; plots: {', '.join(s['plots'])}",
     ]
+    gain, se = s["accuracy_after_rl"] - s["accuracy_after_sft"], s.get("gain_se", float("nan"))
+    met = gain >= GAIN_TARGET and gain - 2 * se > 0
+    lines.append(f"RESULT {s.get('model_name') or 'job'} sft={s['accuracy_after_sft']:.3f} "
+                 f"rl={s['accuracy_after_rl']:.3f} gain={gain:+.3f} se={se:.3f} "
+                 f"target=gain>={GAIN_TARGET:.2f} {'met' if met else 'missed'}")
     print("\n".join(lines), flush=True)

@@ -89,6 +89,10 @@ def test_default_job_runs_every_stage(finished_run):
     for name in ("by_wall_time.png", "by_step.png"):
         assert (run_dir / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "held-out accuracy" in out and "after RL" in out
+    # the gain's prompt-paired standard error, and the RESULT line that names the model
+    assert summary["gain_se"] >= 0 and summary["model_name"]
+    assert any(line.startswith(f"RESULT {summary['model_name']} sft=") and
+               line.endswith(("met", "missed")) for line in out.splitlines()), out[-2000:]
     # ARPO's branch decisions are visible on every RL step and in the summary
     from arpo_async.core.metrics import read_metrics
     from learner.rollout_metrics import KEYS
