@@ -42,6 +42,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 from transformers.models.qwen3.modeling_qwen3 import eager_attention_forward
 
+from arpo_async.core.architectures import packed_tree_refusal
+
 PREFIX = "arpo_packed_"
 
 
@@ -170,22 +172,6 @@ def _mask_dispatcher(base: str):
     return mask
 
 
-def unsupported_layers(config) -> str | None:
-    """Why a model cannot run packed trees (None: it can): every layer must be full
-    attention. ``sliding_window`` set without ``layer_types`` (Mistral, Qwen2) counts as
-    sliding when the model uses it."""
-    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    kinds = sorted(set(getattr(cfg, "layer_types", None) or ["full_attention"]))
-    other = [k for k in kinds if k != "full_attention"]
-    if other:
-        return f"{type(cfg).__name__} has {', '.join(other)} layers"
-    window = getattr(cfg, "sliding_window", None)
-    if (window and getattr(cfg, "use_sliding_window", True)
-            and getattr(cfg, "layer_types", None) is None):
-        return f"{type(cfg).__name__} uses a sliding window of {window}"
-    return None
-
-
 def enable(model) -> str:
     """Switch ``model`` to the packed dispatcher over its current implementation;
     returns the base implementation's name. Refuses a model whose layers a tree mask
@@ -193,10 +179,9 @@ def enable(model) -> str:
     base = model.config._attn_implementation
     if base.startswith(PREFIX):
         return base[len(PREFIX):]
-    why = unsupported_layers(model.config)
-    if why:
-        raise ValueError(f"learner.packing: {why}; packed trees need full attention in "
-                         "every layer (use learner.packing=padded)")
+    refusal = packed_tree_refusal(model.config)
+    if refusal:
+        raise ValueError(refusal)
     name = PREFIX + base
     AttentionInterface.register(name, _dispatcher(base))
     AttentionMaskInterface.register(name, _mask_dispatcher(base))

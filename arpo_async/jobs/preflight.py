@@ -11,6 +11,8 @@ to RUN_DIR/config.yaml, the file every role reads.
   (toolenv/tool_classes.py), one line naming ``tools.custom[i]`` and the path.
 - ``model.path``: the tiny local model built there when missing (not on a dry run,
   which checks lengths only when the folder is there).
+- ``learner.packing`` tree or flat on a model whose layers are not all full attention
+  (sliding windows, Qwen3.5's linear attention): refused, naming ``padded``.
 - The model's tokenizer, loaded as vLLM loads it (``AutoTokenizer``), must give text back
   as written (``family_tokenizers.round_trip_problem``): transformers 5 loads a byte-level
   tokenizer whose config names ``LlamaTokenizerFast`` (DeepSeek V3 and R1-Distill-Llama
@@ -80,10 +82,27 @@ def prepare_run(cfg: Config, dry_run: bool = False) -> None:
     if (Path(cfg.model.path) / "config.json").is_file():
         from transformers import AutoTokenizer  # transformers: heavy; the launcher imports this
 
+        check_packing(cfg)
+
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         check_round_trip(cfg, tokenizer)
     resolve_syntax(cfg, tokenizer)
     check_lengths(cfg, tokenizer)  # a dry run checks them too when the model folder is there
+
+
+def check_packing(cfg: Config) -> None:
+    """ConfigError when the model's layers cannot run ``learner.packing`` tree or flat
+    (arpo_async/core/architectures.py): before SFT and the first evaluation, not at the
+    learner's first step."""
+    if cfg.learner.packing == "padded":
+        return
+    from transformers import AutoConfig
+
+    from arpo_async.core.architectures import packed_tree_refusal
+
+    refusal = packed_tree_refusal(AutoConfig.from_pretrained(cfg.model.path))
+    if refusal:
+        raise ConfigError(f"{refusal}; model.path={cfg.model.path}")
 
 
 def check_round_trip(cfg: Config, tokenizer) -> None:

@@ -100,6 +100,23 @@ def test_layers_a_tree_cannot_reach_are_refused(family, why):
     assert not model.config._attn_implementation.startswith(TA.PREFIX)
 
 
+def test_preflight_refuses_before_anything_is_built(tmp_path):
+    """The run's preflight reads the folder's config.json: a Qwen3.5 folder with packed
+    trees stops in one line naming the key, before SFT; padded passes that check."""
+    from arpo_async.core.config import ConfigError, config_from_dict
+    from arpo_async.jobs.preflight import check_packing
+
+    _config("qwen3_5").save_pretrained(tmp_path)
+    cfg = config_from_dict({"model": {"path": str(tmp_path)}})
+    with pytest.raises(ConfigError, match=r"^learner.packing: Qwen3_5TextConfig has "
+                                          r"linear_attention layers.*learner.packing=padded"):
+        check_packing(cfg)
+    check_packing(config_from_dict({"model": {"path": str(tmp_path)},
+                                    "learner": {"packing": "padded"}}))
+    _config("llama").save_pretrained(tmp_path)
+    check_packing(cfg)
+
+
 @FAST
 @given(gs=groups(max_groups=2))
 def test_refused_family_trains_padded(gs):

@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Only stdlib, numpy and torch allowed: block the serving/training/transport stacks and
 # every other heavy third-party package a pure module might slip in.
-PURE = ["arpo_async.core.entropy", "arpo_async.core.host", "learner.losses.ppo",
+PURE = ["arpo_async.core.entropy", "arpo_async.core.architectures", "arpo_async.core.host",
+        "learner.losses.ppo",
         "actors.branching", "learner.advantages", "learner.losses", "learner.rollout_metrics",
         "arpo_async.core.staleness", "toolenv.tags", "arpo_async.core.protocol.messages",
         "arpo_async.jobs.null_stats", "arpo_async.jobs.premise_stats"]
