@@ -33,7 +33,7 @@ from arpo_async.core.metrics import read_metrics, wandb_log_images
 from arpo_async.core.rundir import latest_checkpoint
 from arpo_async.jobs.evaluate import evaluate
 from arpo_async.jobs.plots import write_plots
-from arpo_async.jobs.preflight import check_lengths, check_tools
+from arpo_async.jobs.preflight import check_lengths, check_packing, check_tools
 from arpo_async.jobs.sft import run_sft
 from arpo_async.jobs.synthetic import SuiteSpec, write_suite
 from arpo_async.jobs.tiny_model import ensure_model
@@ -256,6 +256,7 @@ def run(args, cfg: Config | None = None) -> int:
     t0 = time.time() - stages.state.get("wall_time_s", 0.0)
     data = stages.run("data", build_data, cfg)
     model = stages.run("model", build_model, cfg)
+    check_packing(cfg)  # a model the learner cannot pack stops now, not after SFT
     lengths = check_lengths(cfg)  # before SFT: a run that cannot fit stops now
     if lengths is not None:
         _say(f"lengths: {lengths.line()} (sampling.on_overflow={cfg.sampling.on_overflow})")

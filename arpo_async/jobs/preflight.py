@@ -93,8 +93,9 @@ def prepare_run(cfg: Config, dry_run: bool = False) -> None:
 def check_packing(cfg: Config) -> None:
     """ConfigError when the model's layers cannot run ``learner.packing`` tree or flat
     (arpo_async/core/architectures.py): before SFT and the first evaluation, not at the
-    learner's first step."""
-    if cfg.learner.packing == "padded":
+    learner's first step. A model not in a local folder (a hub name) is left to the
+    learner."""
+    if cfg.learner.packing == "padded" or not (Path(cfg.model.path) / "config.json").is_file():
         return
     from transformers import AutoConfig
 
