@@ -120,6 +120,10 @@ def convert(out: str | Path) -> Path:
 def verify(folder: str | Path) -> Path:
     """``folder`` as built by ``convert`` from the published bytes, or a one-line error."""
     folder = Path(folder)
+    if not folder.exists():
+        raise SourceError(f"model.path: {folder} does not exist: run `python -m "
+                          f"arpo_async.jobs.smollm2 {folder}` (or set model.build_if_missing="
+                          "true)")
     fix = f"remove it and run `python -m arpo_async.jobs.smollm2 {folder}`"
     try:
         record = json.loads((folder / RECORD).read_text())
