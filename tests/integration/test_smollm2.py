@@ -83,6 +83,16 @@ def test_the_folder_is_checked_against_its_source(smollm2_dir, tmp_path, monkeyp
         smollm2.verify(changed)
     with pytest.raises(smollm2.SourceError, match="no readable source.json"):
         smollm2.verify(tmp_path)
+    # a checkpoint trained from the model (no source record) is a model folder like any
+    from arpo_async.core.config import config_from_dict
+    from arpo_async.jobs.tiny_model import ensure_model
+
+    trained = copy("trained")
+    (trained / smollm2.RECORD).unlink()
+    cfg = config_from_dict({"model": {"path": str(trained), "build": "smollm2"}}).model
+    assert ensure_model(trained, cfg) == trained
+    with pytest.raises(smollm2.SourceError, match="other source bytes"):
+        ensure_model(other, cfg)
 
     def absent(name):
         raise smollm2.importlib.metadata.PackageNotFoundError(name)

@@ -16,8 +16,8 @@ from learner import tree_attention as TA
 from learner.batching import collate, samples_from_groups
 from learner.packing import build_units
 from learner.strategies import padded_step_loss
-from tests.unit.test_packing_exact import (FAST, PAD, VOCAB, assert_same, grads_of, groups,
-                                           packed)
+from tests.unit.test_packing_exact import (FAST, PAD, VOCAB, _one_thread, assert_same,  # noqa: F401
+                                           grads_of, groups, packed)
 
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
              num_attention_heads=2, num_key_value_heads=1, head_dim=16,
@@ -61,14 +61,6 @@ def model_of(family: str, packed_ok: bool = True) -> torch.nn.Module:
             TA.enable(m)
         _MODELS[family] = m
     return _MODELS[family]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 FAMILIES = ["llama", "qwen3", "mistral", "olmo2"]

