@@ -35,7 +35,7 @@ from arpo_async.core.rundir import RUN_STATE, checkpoints_dir, latest_checkpoint
 from learner import checkpoint as C
 from learner.batching import balanced_split, samples_from_groups
 from learner.dist import broadcast, init_distributed, rank_hosts, ranks_text, scatter
-from learner.rollout_metrics import rollout_metrics
+from learner.rollout_metrics import rollout_metrics, variance_metrics
 from learner.service import LearnerService
 from learner.trainer import PolicyTrainer, split_minibatches
 from learner.trees import TreeSampler
@@ -106,7 +106,8 @@ def metrics_row(service, step: int, groups: list, stats: dict, train: dict) -> d
             "staleness_max": max(lags), "staleness_mean": sum(lags) / len(lags),
             "dropped_stale": snap["dropped_stale"], "actors_alive": service.actors_alive(),
             "tool_calls": sum(g.tool_calls_executed for g in groups),
-            **rollout_metrics(groups), **train, "service": snap}
+            **rollout_metrics(groups), **variance_metrics(groups), **train,
+            "service": snap}
 
 
 class LearnerLoop:

@@ -5,7 +5,11 @@ Each ARPO/AEPO group carries its branch planner's sums (actors/branching.py
 step's groups, so a mean is over every branch decision of the step, not a mean of group
 means. Every key of ``KEYS`` is present on every step: a step without decisions (GRPO, or
 no tool call yet) reports 0 for the probabilities and 0 forks. The strata's sums
-(``branch/stratum/<tool>/<index>/n`` and ``.../p_sum``) appear on the steps that have them."""
+(``branch/stratum/<tool>/<index>/n`` and ``.../p_sum``) appear on the steps that have them.
+
+``variance_metrics`` says how many of the step's groups can teach anything at all: a group
+whose leaves all got the same reward has advantage 0 everywhere (learner/advantages.py), so
+its tokens cost a learner pass and move nothing. Overall and per task kind."""
 
 from __future__ import annotations
 
@@ -55,3 +59,24 @@ def rollout_metrics(groups: list) -> dict[str, float]:
         "rollout/resumed_tokens": float(sum(g.stats.get("rollout/resumed_tokens", 0.0)
                                             for g in groups)),
     }
+
+
+
+def variance_metrics(groups: list) -> dict[str, float]:
+    """``groups/nonzero_var`` (groups whose leaves' rewards differ), its share of the step's
+    groups, and per task kind ``groups/kind/<kind>/n`` and ``.../nonzero_var`` (sums, so a
+    run's share per kind is a ratio of sums, arpo_async/core/metrics.py
+    ``variance_summary``; a group without a kind counts as ``-``)."""
+    out: dict[str, float] = {}
+    for g in groups:
+        rewards = [leaf.reward for leaf in g.leaves]
+        varied = float(len(rewards) > 1 and max(rewards) > min(rewards))
+        kind = getattr(g, "kind", "") or "-"
+        out["groups/nonzero_var"] = out.get("groups/nonzero_var", 0.0) + varied
+        for key, value in ((f"groups/kind/{kind}/n", 1.0),
+                           (f"groups/kind/{kind}/nonzero_var", varied)):
+            out[key] = out.get(key, 0.0) + value
+    varied = out.setdefault("groups/nonzero_var", 0.0)
+    out["groups/nonzero_var_share"] = varied / len(groups) if groups else 0.0
+    return out
+

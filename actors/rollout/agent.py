@@ -76,6 +76,7 @@ class AgentRollout:
             group_id=new_group_id(actor_id), actor_id=actor_id, prompt_id=prompt.id,
             prompt_tokens=np.asarray(prompt.tokens, np.int32), leaves=leaves,
             mode=self.cfg.rollout.mode, tool_calls_executed=group.executed,
+            kind=prompt.kind,
             decisions=group.policy.decisions,
             stats={**{f"branch/{k}": v for k, v in group.policy.stats().items()},
                    "rollout/context_full": float(sum(p.context_full

@@ -50,4 +50,4 @@ class PlainRollout:
         return TrajectoryGroup(group_id=new_group_id(actor_id), actor_id=actor_id,
                                prompt_id=prompt.id,
                                prompt_tokens=np.asarray(prompt.tokens, np.int32),
-                               leaves=list(leaves), mode="plain")
+                               leaves=list(leaves), mode="plain", kind=prompt.kind)

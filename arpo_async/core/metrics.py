@@ -136,3 +136,26 @@ def probe_sequence(vocab_size: int, length: int = 24) -> tuple[list[int], list[i
 def append_jsonl(path: str | Path, record: dict[str, Any]) -> None:
     with Path(path).open("a") as f:
         f.write(json.dumps(record, default=_json_default) + "\n")
+
+
+def variance_summary(rows: list[dict]) -> dict:
+    """A run's share of trained groups with non-zero reward variance, from its metrics
+    rows (learner/rollout_metrics.py ``variance_metrics``): over the run, in its first and
+    last tenth of steps, and per task kind; None for a run whose rows do not have it."""
+    def share(part: list[dict]) -> float | None:
+        n = sum(r.get("groups", 0) for r in part)
+        varied = sum(r.get("groups/nonzero_var", 0.0) for r in part)
+        return round(varied / n, 4) if n and any("groups/nonzero_var" in r for r in part) \
+            else None
+
+    tenth = max(1, len(rows) // 10)
+    kinds: dict[str, list[float]] = {}
+    for row in rows:
+        for key, value in row.items():
+            if key.startswith("groups/kind/"):
+                kind, _, what = key.removeprefix("groups/kind/").rpartition("/")
+                sums = kinds.setdefault(kind, [0.0, 0.0])
+                sums[what == "nonzero_var"] += float(value)
+    return {"share": share(rows), "first_tenth": share(rows[:tenth]),
+            "last_tenth": share(rows[-tenth:]),
+            "by_kind": {k: round(v / n, 4) for k, (n, v) in sorted(kinds.items()) if n}}

@@ -29,7 +29,7 @@ from typing import Any
 
 from arpo_async.core.config import Config, ConfigError, load_config, save_config
 from arpo_async.core.files import atomic_write_bytes
-from arpo_async.core.metrics import read_metrics, wandb_log_images
+from arpo_async.core.metrics import read_metrics, variance_summary, wandb_log_images
 from arpo_async.core.rundir import latest_checkpoint
 from arpo_async.jobs.evaluate import evaluate
 from arpo_async.jobs.plots import write_plots
@@ -189,6 +189,8 @@ def rl_figures(run_dir: Path) -> dict:
         **tenth_means(rows, "reward_mean", "reward"),
         **tenth_means(rows, "score_mean", "train_accuracy"),
         **branch_means(rows),
+        # trained groups whose leaves' rewards differ (the rest have advantage 0)
+        "nonzero_var": variance_summary(rows),
     }
 
 
@@ -338,6 +340,15 @@ def write_summary(run_dir: Path, stages: StageLog, before: dict, rl: dict, after
     return summary
 
 
+def _nonzero_var_text(rl: dict) -> str:
+    nz = rl.get("nonzero_var") or {}
+    if nz.get("share") is None:
+        return "not recorded"
+    kinds = ", ".join(f"{k} {v:.2f}" for k, v in nz.get("by_kind", {}).items())
+    return (f"{nz['share']:.2f} of trained groups (first tenth {nz['first_tenth']:.2f}, "
+            f"last {nz['last_tenth']:.2f}; by kind: {kinds})")
+
+
 def print_summary(s: dict) -> None:
     rl = s["rl"]
     lines = [
@@ -354,6 +365,7 @@ def print_summary(s: dict) -> None:
         f"{rl.get('model_tokens_per_s')} model tokens/s, staleness mean "
         f"{rl.get('staleness_mean')} max {rl.get('staleness_max')}, tool cache hit rate "
         f"{rl.get('tool_cache_hit_rate')}",
+        f"groups with reward variance (the rest teach nothing): {_nonzero_var_text(rl)}",
         "stages (s): " + ", ".join(f"{k} {v}" for k, v in s["stages_s"].items()),
         f"wall time: {s['wall_time_s']:.0f} s; plots: {', '.join(s['plots'])}",
     ]

@@ -36,7 +36,7 @@ from arpo_async.core.files import atomic_write_bytes, atomic_write_json, read_js
 from arpo_async.core.host import is_loopback
 from arpo_async.core.keys import SecurityError, keys_dir, require_security
 from arpo_async.core.ports import free_port
-from arpo_async.core.metrics import append_jsonl, read_metrics
+from arpo_async.core.metrics import append_jsonl, read_metrics, variance_summary
 from arpo_async.core.rundir import exit_record, latest_checkpoint, recorded_exit
 from arpo_async.launcher.plan import RoleSpec
 from arpo_async.launcher.plan import plan as process_plan
@@ -427,6 +427,8 @@ def run_summary(cfg: Config, roles: list[Role], status: str, reason: str, wall: 
         "tokens": learner.get("service", {}).get("tokens", {}),
         # actors that never said Bye, e.g. on a host that vanished (learner/ledger.py)
         "actors_not_back": learner.get("actors_not_back", []),
+        # trained groups whose leaves' rewards differ: the only ones that teach anything
+        "nonzero_var": variance_summary(rows),
     }
 
 

@@ -505,3 +505,12 @@ def test_group_decisions_round_trip_and_are_checked():
     for bad in ([["x"]], [[True, 1.0]], [1.0], "rows"):
         assert_rejects(repack(frames, lambda h, bad=bad: h["body"].update(decisions=bad)),
                        "bad_field")
+
+
+def test_group_kind_round_trips_and_is_checked():
+    group = P.TrajectoryGroup("g", 0, "p", np.zeros(1, np.int32), [], kind="lookup")
+    assert P.decode(wire(group)).kind == "lookup"
+    frames = wire(group)
+    # a sender from before the field: the group arrives without a kind
+    assert P.decode(repack(frames, lambda h: h["body"].pop("kind"))).kind == ""
+    assert_rejects(repack(frames, lambda h: h["body"].update(kind=3)), "bad_field")

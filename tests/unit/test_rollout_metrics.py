@@ -57,3 +57,30 @@ def test_planner_sums_match_its_decisions():
     assert (m["branch/p_min"], m["branch/p_max"]) == (pytest.approx(0.3), 1.0)
     assert m["branch/decisions"] == 4 and m["branch/forks"] == stats["forks"]
     assert m["branch/p_outside_band"] == 3  # 0.3, 0.8 and 1.0; 0.5 is inside [0.45, 0.55]
+
+
+def _scored(rewards: list[float], kind: str = ""):
+    return SimpleNamespace(leaves=[SimpleNamespace(reward=r) for r in rewards], kind=kind)
+
+
+def test_nonzero_variance_share_by_kind():
+    from arpo_async.core.metrics import variance_summary
+    from learner.rollout_metrics import variance_metrics
+
+    step = [_scored([1, 0, 0, 0], "arith"), _scored([1, 1, 1, 1], "arith"),
+            _scored([0, 0, 0, 0], "lookup"), _scored([0.0, 0.1], "lookup"), _scored([1])]
+    m = variance_metrics(step)
+    assert m["groups/nonzero_var"] == 2 and m["groups/nonzero_var_share"] == 2 / 5
+    assert (m["groups/kind/arith/n"], m["groups/kind/arith/nonzero_var"]) == (2, 1)
+    assert (m["groups/kind/lookup/n"], m["groups/kind/lookup/nonzero_var"]) == (2, 1)
+    assert (m["groups/kind/-/n"], m["groups/kind/-/nonzero_var"]) == (1, 0)  # one leaf
+    assert variance_metrics([]) == {"groups/nonzero_var": 0.0, "groups/nonzero_var_share": 0.0}
+    # a run: 10 steps; the first (5 groups, 2 varied) and the last (all 4 varied) tenth
+    rows = [{"groups": 5, **m}] + [{"groups": 4, "groups/nonzero_var": 4,
+                                    "groups/kind/arith/n": 4,
+                                    "groups/kind/arith/nonzero_var": 4}] * 9
+    s = variance_summary(rows)
+    assert s["share"] == round(38 / 41, 4)
+    assert (s["first_tenth"], s["last_tenth"]) == (0.4, 1.0)
+    assert s["by_kind"] == {"-": 0.0, "arith": round(37 / 38, 4), "lookup": 0.5}
+    assert variance_summary([{"groups": 4}])["share"] is None  # a run from before the metric

@@ -122,6 +122,7 @@ class TrajectoryGroup:
     # where the decided round starts, dH, P (nan: no decision made), forks created]; for
     # the trees page (learner/trees.py), not for training.
     decisions: list[list[float]] = field(default_factory=list)
+    kind: str = ""  # the prompt's task kind (its data row's "kind"), for per-kind figures
 
     def min_version(self) -> int:
         versions = [leaf.versions[leaf.loss_mask > 0] for leaf in self.leaves]
