@@ -11,8 +11,23 @@ and offers two ways to hand it to tokens (docs/design.md "Advantage attribution"
   leaf: the owner mask is 1 there and 0 in the copies, so the learner multiplies it into
   the loss mask. A segment of a single leaf gets that leaf's A_i.
 
+Two more modes credit the tree itself (beyond the ARPO paper; docs/design.md "Tree
+advantages"), both trained like soft (every copy of a shared token, weight 1):
+
+* tree (TreeRL, arXiv 2506.11902, Eqs. 2-4): a *node* is a maximal segment shared by the
+  same set L(n) of leaves; V(n) = mean reward over L(n), V(root) = the group's mean. Every
+  token of node n gets R(n) = [(V(n) - V(root)) + (V(n) - V(parent n))] / sqrt(|L(n)|): a
+  global term and a local one, the choice made at the parent's state compared with the
+  leaves that share that state, not only with the whole group. No std normalisation. A
+  group without forks gets 2 (R_i - mean R) per leaf.
+* tree_grpo (Tree-GRPO, arXiv 2509.21240; its code, ray_trainer_ts.py ``adv_estimator ==
+  'tree'``): every token of leaf i gets A_i = z_group(R_i) + z_tree(R_i), two GRPO scores,
+  over the group and over the leaves grown from the same global sample (its tree). A tree
+  of one leaf gets an intra term of 0 (the authors' code would give R_i / (1 + 1e-6)).
+
 std is the sample (unbiased, ddof=1) standard deviation, as GRPO/verl compute it with
-torch.std. A group of one leaf, or one whose rewards are all equal, gets zero advantages.
+torch.std. A group of one leaf, or one whose rewards are all equal, gets zero advantages
+(in every mode).
 
 The learner calls ``token_advantages(leaves, rewards, mode)``; each returned array covers a
 leaf's response tokens (model and tool tokens alike); multiplying by the leaf's loss mask
@@ -96,6 +111,80 @@ def check_tree(parents: Sequence[int], branch_points: Sequence[int],
     return _topo_order(parents)
 
 
+def _token_nodes(parents: Sequence[int], branch_points: Sequence[int],
+                 lengths: Sequence[int]) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """Each leaf's token positions as ids of the tree's distinct tokens (a shared token has
+    one id in every leaf that holds it), those ids flattened, and per id how many leaves
+    hold it."""
+    order = check_tree(parents, branch_points, lengths)
+    node_ids: list[np.ndarray | None] = [None] * len(parents)
+    next_node = 0
+    for i in order:
+        own = np.arange(next_node, next_node + lengths[i] - branch_points[i])
+        next_node += own.size
+        shared = node_ids[parents[i]][:branch_points[i]] if parents[i] >= 0 else own[:0]
+        node_ids[i] = np.concatenate([shared, own])
+    flat = np.concatenate(node_ids) if node_ids else np.zeros(0, dtype=np.int64)
+    return node_ids, flat, np.bincount(flat, minlength=next_node)
+
+
+def _leaf_mean(node_ids: list[np.ndarray], flat: np.ndarray, count: np.ndarray,
+               per_leaf: np.ndarray) -> np.ndarray:
+    """Per distinct token: the mean of ``per_leaf`` over the leaves that hold it."""
+    weights = np.repeat(per_leaf, [len(ids) for ids in node_ids])
+    return np.bincount(flat, weights=weights, minlength=count.size) / np.maximum(count, 1)
+
+
+def treerl_advantages(parents: Sequence[int], branch_points: Sequence[int],
+                      lengths: Sequence[int], rewards: Sequence[float] | np.ndarray
+                      ) -> tuple[list[np.ndarray], dict[str, float]]:
+    """TreeRL's node advantage (arXiv 2506.11902, Eqs. 2-4) for every token of every leaf:
+    R(n) = [(V(n) - V(root)) + (V(n) - V(parent n))] / sqrt(|L(n)|).
+
+    Along a leaf the sets of leaves holding its tokens only shrink, so a node ends where
+    that count changes; the parent of a leaf's first node is the root (the prompt). The
+    authors' code differs from the paper in ways listed in docs/design.md; this follows
+    the paper."""
+    r = np.asarray(rewards, dtype=np.float64).reshape(-1)
+    node_ids, flat, count = _token_nodes(parents, branch_points, lengths)
+    value = _leaf_mean(node_ids, flat, count, r)
+    root = float(r.mean()) if r.size else 0.0
+    advs, local = [], []
+    for ids in node_ids:
+        v, c = value[ids], count[ids]
+        starts = np.flatnonzero(np.r_[True, c[1:] != c[:-1]]) if ids.size else ids
+        parent_v = np.r_[root, v[:-1]][starts]  # the value just before each node starts
+        seg = np.repeat(np.arange(starts.size), np.diff(np.r_[starts, ids.size]))
+        lv = v - parent_v[seg] if ids.size else v
+        advs.append(((v - root) + lv) / np.sqrt(c))
+        local.append(lv)
+    lv_all = np.concatenate(local) if local else np.zeros(0)
+    return advs, {"tree_local_abs_mean": float(np.abs(lv_all).mean()) if lv_all.size else 0.0}
+
+
+def _roots(parents: Sequence[int]) -> list[int]:
+    """The global sample each leaf descends from (its tree, in Tree-GRPO's words)."""
+    root = list(range(len(parents)))
+    for i in _topo_order(parents):
+        if parents[i] >= 0:
+            root[i] = root[parents[i]]
+    return root
+
+
+def tree_grpo_advantages(parents: Sequence[int], rewards: Sequence[float] | np.ndarray
+                         ) -> np.ndarray:
+    """Tree-GRPO's leaf advantage: z over the group plus z over the leaf's own tree
+    (arXiv 2509.21240; ray_trainer_ts.py, ``adv_estimator == 'tree'``)."""
+    r = np.asarray(rewards, dtype=np.float64).reshape(-1)
+    inter, _ = soft_advantages(r)
+    roots = np.asarray(_roots(parents))
+    intra = np.zeros_like(r)
+    for t in np.unique(roots):
+        members = np.flatnonzero(roots == t)
+        intra[members] = soft_advantages(r[members])[0]
+    return inter + intra
+
+
 def hard_advantages(parents: Sequence[int], branch_points: Sequence[int],
                     lengths: Sequence[int], leaf_adv: Sequence[float] | np.ndarray
                     ) -> tuple[list[np.ndarray], list[np.ndarray], dict[str, float]]:
@@ -110,18 +199,9 @@ def hard_advantages(parents: Sequence[int], branch_points: Sequence[int],
     adv = np.asarray(leaf_adv, dtype=np.float64).reshape(-1)
     if adv.size != n:
         raise ValueError(f"hard_advantages: {n} parents, {adv.size} advantages")
-    order = check_tree(parents, branch_points, lengths)
-    node_ids: list[np.ndarray | None] = [None] * n
-    next_node = 0
-    for i in order:
-        own = np.arange(next_node, next_node + lengths[i] - branch_points[i])
-        next_node += own.size
-        shared = node_ids[parents[i]][:branch_points[i]] if parents[i] >= 0 else own[:0]
-        node_ids[i] = np.concatenate([shared, own])
-    flat = np.concatenate(node_ids) if n else np.zeros(0, dtype=np.int64)
-    weights = np.repeat(adv, [len(ids) for ids in node_ids])
-    count = np.bincount(flat, minlength=next_node)
-    node_adv = np.bincount(flat, weights=weights, minlength=next_node) / np.maximum(count, 1)
+    node_ids, flat, count = _token_nodes(parents, branch_points, lengths)
+    next_node = count.size
+    node_adv = _leaf_mean(node_ids, flat, count, adv)
     token_adv = [node_adv[ids] for ids in node_ids]
     owner = [np.concatenate([np.zeros(branch_points[i], dtype=np.float32),
                              np.ones(lengths[i] - branch_points[i], dtype=np.float32)])
@@ -134,21 +214,31 @@ def hard_advantages(parents: Sequence[int], branch_points: Sequence[int],
     }
 
 
+MODES = ("soft", "hard", "tree", "tree_grpo")
+
+
 def token_advantages(leaves: Sequence[LeafLike | Any], rewards: Sequence[float] | np.ndarray,
                      mode: str) -> tuple[list[np.ndarray], list[np.ndarray], dict[str, float]]:
     """(per-leaf float32 token advantages, per-leaf float32 weight masks, metrics) for
-    ``mode`` "soft" (weights all 1) or "hard" (weights = owner masks)."""
-    if mode not in ("soft", "hard"):
-        raise ValueError(f"advantage mode {mode!r}: expected 'soft' or 'hard'")
+    ``mode`` in ``MODES``: weights are the owner masks in "hard", all 1 otherwise."""
+    if mode not in MODES:
+        raise ValueError(f"advantage mode {mode!r}: expected one of {', '.join(MODES)}")
     if len(leaves) != len(rewards):
         raise ValueError(f"token_advantages: {len(leaves)} leaves, {len(rewards)} rewards")
     leaf_adv, metrics = soft_advantages(rewards)
     lengths = [len(leaf) for leaf in leaves]
-    if mode == "soft":
-        advs = [np.full(n, a, dtype=np.float32) for n, a in zip(lengths, leaf_adv)]
-        weights = [np.ones(n, dtype=np.float32) for n in lengths]
-        return advs, weights, metrics | {"tokens_total": float(sum(lengths))}
-    advs, owner, hard_metrics = hard_advantages(
-        [leaf.parent for leaf in leaves], [leaf.branch_point for leaf in leaves], lengths,
-        leaf_adv)
-    return [a.astype(np.float32) for a in advs], owner, metrics | hard_metrics
+    parents = [leaf.parent for leaf in leaves]
+    bps = [leaf.branch_point for leaf in leaves]
+    if mode == "hard":
+        advs, owner, hard_metrics = hard_advantages(parents, bps, lengths, leaf_adv)
+        return [a.astype(np.float32) for a in advs], owner, metrics | hard_metrics
+    weights = [np.ones(n, dtype=np.float32) for n in lengths]
+    metrics |= {"tokens_total": float(sum(lengths))}
+    if mode == "tree":
+        advs, tree_metrics = treerl_advantages(parents, bps, lengths, rewards)
+        return [a.astype(np.float32) for a in advs], weights, metrics | tree_metrics
+    if mode == "tree_grpo":
+        check_tree(parents, bps, lengths)
+        leaf_adv = tree_grpo_advantages(parents, rewards)
+    advs = [np.full(n, a, dtype=np.float32) for n, a in zip(lengths, leaf_adv)]
+    return advs, weights, metrics

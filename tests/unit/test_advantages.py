@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from arpo_async.core.protocol import Trajectory
-from learner.advantages import hard_advantages, soft_advantages, token_advantages
+from learner.advantages import (hard_advantages, soft_advantages, token_advantages,
+                                 tree_grpo_advantages, treerl_advantages)
 
 
 def test_soft_hand_values():
@@ -189,7 +190,108 @@ def test_token_advantages_on_protocol_leaves():
     np.testing.assert_allclose(advs[1], [0, 0, 0, -a, -a], atol=1e-6)
     assert weights[1].tolist() == [0, 0, 0, 1, 1] and advs[0].dtype == np.float32
     assert m["tokens_unique"] == 6
-    with pytest.raises(ValueError, match="'soft' or 'hard'"):
-        token_advantages(leaves, [1.0, 0.0], "tree")
+    with pytest.raises(ValueError, match="soft, hard, tree, tree_grpo"):
+        token_advantages(leaves, [1.0, 0.0], "trees")
     with pytest.raises(ValueError, match="2 leaves, 1 rewards"):
         token_advantages(leaves, [1.0], "soft")
+
+
+
+# ---------------------------------------------------------------- tree credit
+# Two trees of two leaves: leaf1 forks leaf0 after 3 tokens, leaf3 forks leaf2 after 5;
+# rewards [1, 0, 0, 0]. Nodes: a0 = leaf0[:3] (leaves {0, 1}), a1 = leaf0[3:], a2 =
+# leaf1[3:]; b0 = leaf2[:5] ({2, 3}), b1 = leaf2[5:], b2 = leaf3[5:]. V(root) = 0.25.
+HAND = ([-1, 0, -1, 2], [0, 3, 0, 5], [6, 8, 7, 9], [1.0, 0.0, 0.0, 0.0])
+
+
+def test_treerl_hand_tree():
+    advs, m = treerl_advantages(*HAND)
+    r2 = math.sqrt(2)
+    a0 = ((0.5 - 0.25) + (0.5 - 0.25)) / r2  # 0.353553: V(a0) = 0.5 against the root
+    a1 = (1 - 0.25) + (1 - 0.5)  # 1.25: the right choice at a0's state
+    a2 = (0 - 0.25) + (0 - 0.5)  # -0.75
+    b0 = ((0 - 0.25) + (0 - 0.25)) / r2  # -0.353553
+    b12 = (0 - 0.25) + (0 - 0)  # -0.25: no local term below b0, both children failed
+    np.testing.assert_allclose(advs[0], [a0] * 3 + [a1] * 3)
+    np.testing.assert_allclose(advs[1], [a0] * 3 + [a2] * 5)
+    np.testing.assert_allclose(advs[2], [b0] * 5 + [b12] * 2)
+    np.testing.assert_allclose(advs[3], [b0] * 5 + [b12] * 4)
+    assert (a0, a1, a2, b0) == pytest.approx((0.353553, 1.25, -0.75, -0.353553), abs=1e-6)
+    assert m["tree_local_abs_mean"] > 0
+
+
+def test_tree_grpo_hand_tree():
+    a = tree_grpo_advantages(HAND[0], HAND[3])
+    # inter: z over [1, 0, 0, 0] = [1.5, -0.5, -0.5, -0.5]; intra: z over {1, 0} =
+    # +-0.707107 in the first tree, 0 in the second (equal rewards)
+    np.testing.assert_allclose(a, [2.207107, -1.207107, -0.5, -0.5], atol=1e-5)
+    # a tree of one leaf has no intra term (the authors' verl code would give R / (1 + eps))
+    np.testing.assert_allclose(tree_grpo_advantages([-1, -1, -1], [1.0, 0.0, 0.0]),
+                               soft_advantages([1.0, 0.0, 0.0])[0])
+
+
+def _treerl_reference(seqs, rewards):
+    """From the paper's definition on materialised prefixes: the node of token p of a leaf
+    is its run of prefixes held by the same leaves; V is the mean reward of those leaves,
+    the parent's V the one of the prefix just before the run (the root's before p = 0)."""
+    def holders(s, p):
+        return [j for j, t in enumerate(seqs) if len(t) > p and t[:p + 1] == s[:p + 1]]
+
+    root = float(np.mean(rewards))
+    out = []
+    for s in seqs:
+        row = []
+        for p in range(len(s)):
+            here = holders(s, p)
+            start = p
+            while start > 0 and holders(s, start - 1) == here:
+                start -= 1
+            v = float(np.mean([rewards[j] for j in here]))
+            v_parent = float(np.mean([rewards[j] for j in holders(s, start - 1)])) \
+                if start > 0 else root
+            row.append(((v - root) + (v - v_parent)) / math.sqrt(len(here)))
+        out.append(np.array(row))
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(tree=trees(), seed=st.integers(0, 1000))
+def test_treerl_matches_slow_reference(tree, seed):
+    parents, bps, lengths, rewards = tree
+    advs, _ = treerl_advantages(parents, bps, lengths, rewards)
+    ref = _treerl_reference(_leaves(parents, bps, lengths, seed), rewards)
+    for i in range(len(parents)):
+        np.testing.assert_allclose(advs[i], ref[i], atol=1e-12)
+
+
+@settings(max_examples=100, deadline=None)
+@given(tree=trees())
+def test_tree_credit_properties(tree):
+    parents, bps, lengths, rewards = tree
+    advs, _ = treerl_advantages(parents, bps, lengths, rewards)
+    # every copy of a shared token carries the same advantage (packing trains it once)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            np.testing.assert_allclose(advs[i][:bps[i]], advs[p][:bps[i]])
+    # one reward everywhere: nothing to prefer, in both tree modes
+    flat, _ = treerl_advantages(parents, bps, lengths, [0.3] * len(parents))
+    assert all(np.all(a == 0) for a in flat)
+    assert np.all(tree_grpo_advantages(parents, [0.3] * len(parents)) == 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(1, 12), min_size=1, max_size=8), data=st.data())
+def test_tree_credit_without_forks(lengths, data):
+    """No fork: TreeRL gives each leaf 2 (R_i - mean R) (its node is the leaf, its parent
+    the root); Tree-GRPO gives GRPO's score (each tree is one leaf)."""
+    rewards = data.draw(st.lists(st.floats(-1, 1.1), min_size=len(lengths),
+                                 max_size=len(lengths)))
+    leaves = [_leaf(n) for n in lengths]
+    r = np.asarray(rewards)
+    tree_a, tree_w, _ = token_advantages(leaves, rewards, "tree")
+    grpo_a, _, _ = token_advantages(leaves, rewards, "tree_grpo")
+    soft_a, _, _ = token_advantages(leaves, rewards, "soft")
+    for i, n in enumerate(lengths):
+        np.testing.assert_allclose(tree_a[i], [2 * (r[i] - r.mean())] * n, atol=1e-6)
+        np.testing.assert_allclose(grpo_a[i], soft_a[i], atol=1e-6)
+        assert tree_w[i].dtype == np.float32 and np.all(tree_w[i] == 1)

@@ -120,6 +120,10 @@ SETTINGS = [
                                    importance={"mode": "truncate", "cap": 1.02},
                                    aepo_entropy_adv_gamma=0.3)),
     ("soft", "recompute", CISPOLoss(eps_low=0.05, eps_high=0.05, entropy_coef=0.01)),
+    # tree credit: a token's advantage changes along a leaf, and by leaf in tree_grpo
+    ("tree", "recompute", PPOLoss(dual_clip=3.0, aepo_entropy_adv_gamma=0.2)),
+    ("tree_grpo", "bypass", PPOLoss()),
+    ("tree", "bypass", GSPOLoss(eps_low=0.05, eps_high=0.05)),
 ]
 
 

@@ -58,7 +58,11 @@ class _LossBase(_Section):
     proximal: Literal["recompute", "bypass"] = Field(
         "bypass", description="proximal log-probs: learner forward pass, or behaviour log-probs"
     )
-    advantage: Literal["soft", "hard"] = Field("soft", description="advantage attribution")
+    advantage: Literal["soft", "hard", "tree", "tree_grpo"] = Field(
+        "soft", description="advantage attribution: soft (ARPO's, GRPO's when nothing "
+        "branched), hard (each shared segment trained once), tree (TreeRL's node advantage: "
+        "global plus local baseline), tree_grpo (Tree-GRPO's group plus tree z-scores); "
+        "learner/advantages.py")
     importance: ImportanceConfig = Field(
         default_factory=lambda: TruncateIS(), description="the importance weight w_t = "
         "exp(prox - mu) (learner.loss.importance.mode: truncate, mask or off, each with its "
