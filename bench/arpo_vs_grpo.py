@@ -31,20 +31,28 @@ tool call; wall time on this shared machine measures the other jobs as much as t
 Every arm runs once per seed (``run.seed``), arm order rotated per seed, the matched
 random arms right after ``arpo``.
 
-**Endpoints, declared before the runs** (bench/verdict.py ``ENDPOINTS``, written with the
-design to ``OUT/endpoints.json`` at the first start; a rerun with another design refuses):
-primary, the held-out recovery rate after a wrong search result (the share of samples that
-met one and still answered right: ARPO's mechanism measured directly); then pass@1 and
-pass@k, and the executed tool calls to reach the SFT model's pass@1 + ``--target-gain``
-(the curve, linear between checkpoints, censored at the budget). Paired per seed against
-the same seed's other arms, mean +- t(0.975, n-1) s.e.
+**Declared in git before the runs** (``--declared bench/declared/<name>.json``,
+bench/declared.py): arms run only under a declaration git holds unchanged at HEAD whose
+design equals this run's (arms, seeds, budget, ...), naming arms this bench implements,
+with power for its predicted effect (the minimum detectable effect is printed first;
+``--underpowered`` runs a design that cannot detect it). Its primary endpoint (a figure
+and an arms contrast, e.g. recovery after a wrong search result, arm minus grpo) is read
+with its declared test: paired per seed, mean +- t(0.975, n-1) s.e., t and exact sign-flip
+p-values, met or missed by its rule, written to ``OUT/declared_result.json``. The tables
+beside it: pass@1, pass@k, recovery and the executed tool calls to reach the SFT model's
+pass@1 + ``--target-gain`` (linear between checkpoints, censored at the budget), paired
+over the fixed ``PAIRS``. ``--report-only`` without ``--declared`` reads older runs (their
+``OUT/endpoints.json`` is no longer read) and prints no declared fields.
 
 JSON to ``--results`` with two plots beside it (the arms' bars; accuracy against tool
 calls with s.e. bands); the last line is ``RESULT arpo_vs_grpo arpo_minus_random=<x>
 arpo_minus_grpo=<y> se=<z> recovery_arpo_minus_grpo=<r> calls_to_sft_plus5_ratio=<q>
-seeds=<n> budget=<b> target=arpo_minus_random>=2se met|missed``.
+seeds=<n> budget=<b> target=arpo_minus_random>=2se met|missed``, then under a declaration
+``declared=<name> mde=<m> underpowered=<bool> primary=<mean> lo=<l> hi=<h> p_t=<p>
+p_perm=<p> n=<n> rule=<rule> met|missed|incomplete`` (incomplete: seeds still missing).
 
-    python bench/arpo_vs_grpo.py --run runs/recover --out runs/verdict_recover
+    python bench/arpo_vs_grpo.py --declared bench/declared/NAME.json [--underpowered]
+        --run runs/recover --out runs/verdict_recover
         [--seeds 0,1,2,3,4] [--tool-calls 2500] [--curve-every 500]
         [--arms grpo,arpo,random,random_strat,aepo] [--eval-limit 300] [--eval-k 4]
         [--null-limit 48 --null-k 4] [--lock FILE] [key=value ...]
@@ -78,12 +86,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import declared  # noqa: E402
 from common import REPO, RESULTS, SCRATCH_DIR, write_results  # noqa: E402
 from verdict import (  # noqa: E402
     calls_to_reach,
     checkpoint_calls,
     curve_bands,
-    declare,
     mean_ci,
     plot_curves,
     stratum_table,
@@ -431,8 +439,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--report-only", action="store_true",
                     help="run nothing: the tables and the RESULT line of the arms finished "
                     "under --out so far (a verdict that spans sessions)")
-    ap.add_argument("--redeclare", action="store_true",
-                    help="replace OUT/endpoints.json (another design for the same --out)")
+    ap.add_argument("--declared", default=None, metavar="bench/declared/NAME.json",
+                    help="the declaration, committed before the first arm, that this run's "
+                    "design must equal and whose primary endpoint the RESULT line reads")
+    ap.add_argument("--underpowered", action="store_true",
+                    help="run a declared design whose minimum detectable effect exceeds its "
+                    "predicted effect")
     ap.add_argument("--max-s", type=float, default=900.0,
                     help="wall-clock cap per arm after its first step, s (a stuck arm)")
     ap.add_argument("--eval-limit", type=int, default=300)
@@ -534,7 +546,8 @@ def sft_point(base, args, sft: Path, url: str, out: Path) -> dict:
             **eval_point(folder, suite_note(base))}
 
 
-def verdict_line(summary: dict, pairs: dict, args) -> str:
+def verdict_line(summary: dict, pairs: dict, args, spec: dict | None = None,
+                 result: dict | None = None) -> str:
     acc, rec = pairs["accuracy"], pairs["recovery"]
     x = acc.get("arpo-random", {}).get("mean", float("nan"))
     se = acc.get("arpo-random", {}).get("se", float("nan"))
@@ -547,7 +560,30 @@ def verdict_line(summary: dict, pairs: dict, args) -> str:
     met = "met" if x >= 2 * se else "missed"  # nan compares false: missed
     return (f"RESULT arpo_vs_grpo arpo_minus_random={x:+.4f} arpo_minus_grpo={y:+.4f} "
             f"se={se:.4f} recovery_arpo_minus_grpo={r:+.4f} calls_to_sft_plus5_ratio={q:.3f} "
-            f"seeds={n} budget={args.tool_calls} target=arpo_minus_random>=2se {met}")
+            f"seeds={n} budget={args.tool_calls} target=arpo_minus_random>=2se {met}"
+            + (f" {declared.result_fields(result, spec['power'])}" if result else ""))
+
+
+def declare_run(args, src: Path, seeds: list[int], arms: list[str]) -> dict | None:
+    """The declaration this run is held to (bench/declared.py ``prepare``: committed,
+    arms known, design equal, powered, pinned to OUT), checked before anything runs; None
+    for ``--report-only`` without one (older runs: no declared fields)."""
+    if not args.declared:
+        if args.report_only:
+            return None
+        raise SystemExit("arms run only under a declared design: --declared "
+                         "bench/declared/<name>.json, committed before its first run "
+                         "(bench/README.md)")
+    design = {"bench": "arpo_vs_grpo", "run": str(src), "arms": arms, "seeds": seeds,
+              "budget": args.tool_calls, "curve_every": args.curve_every,
+              "eval": [args.eval_limit, args.eval_k], "target_gain": args.target_gain,
+              "overrides": args.overrides}
+    spec = declared.prepare(Path(args.declared), REPO, KNOWN_ARMS, design, Path(args.out),
+                            args.underpowered, args.report_only)
+    print(spec["power"]["line"], flush=True)
+    print(f"declared {spec['where']['path']} (commit {spec['where']['commit'][:12]}): primary "
+          f"{spec['primary']['name']}, {'-'.join(spec['primary']['contrast'])}", flush=True)
+    return spec
 
 
 def main() -> int:
@@ -559,11 +595,12 @@ def main() -> int:
 
     src = Path(args.run)
     sft = src / "sft"
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    arms = [a for a in args.arms.split(",") if a.strip()]
+    spec = declare_run(args, src, seeds, arms)  # refuses before anything runs
     if not (src / USER_CONFIG).is_file() or not (sft / "config.json").is_file():
         raise SystemExit(f"--run {src}: needs a finished default job ({USER_CONFIG} and sft/); "
                          "see this script's docstring")
-    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    arms = [a for a in args.arms.split(",") if a.strip()]
     for arm in arms:
         arm_overrides(arm, 0.5)  # names checked before anything runs
     if any(a in arms for a in MATCHED) and "arpo" not in arms:
@@ -572,13 +609,6 @@ def main() -> int:
     data_dir = Path(base.pipeline.data_dir)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)  # arms already finished there are kept
-    design = {"run": str(src), "arms": arms, "seeds": seeds, "budget": args.tool_calls,
-              "curve_every": args.curve_every, "eval": [args.eval_limit, args.eval_k],
-              "target_gain": args.target_gain, "overrides": args.overrides,
-              "declared_at": time.strftime("%Y-%m-%d %H:%M:%S")}
-    declared = declare(out, design, args.redeclare)
-    print(f"endpoints declared {declared['declared_at']} ({out / 'endpoints.json'}): "
-          f"{declared['endpoints']['primary']}", flush=True)
     t0 = time.time()
     null = null_test(base, sft, data_dir, args) if args.null_limit else None
     rows: list[dict] = []
@@ -598,12 +628,16 @@ def main() -> int:
         curve_png = png.with_name(png.stem + "_curve.png")
         print(f"wrote {plot_curves(bands, sft_figures['pass@1'], args.target_gain, curve_png)}")
     print(f"wrote {png}")
-    write_results("arpo_vs_grpo", {"args": vars(args), "endpoints": declared,
+    result = declared.evaluate(spec, rows) if spec else None
+    if result:
+        print("\n".join(declared.report_lines(result)))
+        print(f"wrote {declared.write_result(out, spec, result)}")
+    write_results("arpo_vs_grpo", {"args": vars(args), "declared": spec, "result": result,
                                    "sft": sft_figures, "suite": suite_noise(corpus),
                                    "rows": rows, "summary": summary, "paired": pairs,
                                    "curves": bands, "null_test": null,
                                    "wall_s": round(time.time() - t0, 1)}, args.results)
-    print(verdict_line(summary, pairs, args))
+    print(verdict_line(summary, pairs, args, spec, result))
     return 0
 
 

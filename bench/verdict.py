@@ -1,8 +1,13 @@
 """The verdict's statistics and curves for bench/arpo_vs_grpo.py (issue 35): Student t
 intervals, the stratum table the matched random arm reads from an arpo run, the learning
 curve of an arm (its checkpoints at every ``--curve-every`` executed tool calls, each
-evaluated on the held-out prompts), the tool calls an arm needs to reach a target, and
-the endpoints declared before the runs.
+evaluated on the held-out prompts) and the tool calls an arm needs to reach a target.
+The endpoints are declared in git before the runs (bench/declared.py, bench/declared/).
+
+Student's t without scipy: the two quantiles a paired design needs (t(0.975) for the
+interval, t(0.80) for power) are tabled, and the two-sided p-value is the exact closed form
+for integer degrees of freedom (Abramowitz & Stegun 26.7.3-4); a test checks each table
+entry against that form.
 
 Pure apart from reading run folders and writing the plot; tests/unit/test_verdict.py."""
 
@@ -15,29 +20,54 @@ from pathlib import Path
 # two-sided 95% quantiles of Student's t, by degrees of freedom (no scipy here)
 _T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
          9: 2.262, 10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131,
-         16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086, 25: 2.060, 30: 2.042,
-         40: 2.021, 60: 2.000, 120: 1.980}
+         16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086, 21: 2.080, 22: 2.074,
+         23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048, 29: 2.045,
+         30: 2.042, 40: 2.021, 60: 2.000, 120: 1.980}
+# one-sided 80% quantiles (power 0.80 of a paired design), by degrees of freedom
+_T80 = {1: 1.376, 2: 1.061, 3: 0.978, 4: 0.941, 5: 0.920, 6: 0.906, 7: 0.896, 8: 0.889,
+        9: 0.883, 10: 0.879, 11: 0.876, 12: 0.873, 13: 0.870, 14: 0.868, 15: 0.866,
+        16: 0.865, 17: 0.863, 18: 0.862, 19: 0.861, 20: 0.860, 21: 0.859, 22: 0.858,
+        23: 0.858, 24: 0.857, 25: 0.856, 26: 0.856, 27: 0.855, 28: 0.855, 29: 0.854,
+        30: 0.854, 40: 0.851, 60: 0.848, 120: 0.845}
 
-# What the verdict reads, fixed before any arm runs (written to OUT/endpoints.json; a rerun
-# with other endpoints, arms, seeds, budget or evaluation refuses to mix them).
-ENDPOINTS = {
-    "primary": "recovery: held-out share of samples that met a wrong search result (one "
-               "the suite's retriever notes as such; on a suite without the note, one whose "
-               "first document names none of the question's entities) and still answered "
-               "right, after RL, arm minus grpo, paired per seed",
-    "secondary": ["pass@1 and pass@k on the held-out prompts x k samples after RL, paired "
-                  "per seed (arpo - random, arpo - random_strat, arpo - grpo)",
-                  "executed tool calls to reach the SFT model's pass@1 + 0.05 (linear "
-                  "between the curve's checkpoints; not reached: censored at the budget)"],
-    "intervals": "mean +- t(0.975, n-1) * s.e. over seeds",
-}
+
+def _tabled(table: dict[int, float], df: int) -> float:
+    if df < 1:
+        return math.nan
+    return table.get(df) or table[max(k for k in table if k <= df)]
 
 
 def t975(df: int) -> float:
     """Two-sided 95% Student t quantile (the next smaller tabled df above 30: wider)."""
-    if df < 1:
+    return _tabled(_T975, df)
+
+
+def t80(df: int) -> float:
+    """One-sided 80% Student t quantile (the next smaller tabled df above 30: larger)."""
+    return _tabled(_T80, df)
+
+
+def t_two_sided_p(t: float, df: int) -> float:
+    """P(|T| >= |t|) for Student's t with integer ``df`` >= 1, exact: 1 - A(t|df) with
+    A&S 26.7.3 (odd df) and 26.7.4 (even df), theta = atan(|t| / sqrt(df))."""
+    if df < 1 or t != t:
         return math.nan
-    return _T975.get(df) or _T975[max(k for k in _T975 if k <= df)]
+    theta = math.atan(abs(t) / math.sqrt(df))
+    s, c = math.sin(theta), math.cos(theta)
+    if df % 2:  # (2/pi)(theta + sin(cos + 2/3 cos^3 + ... up to cos^(df-2)))
+        term = c
+        total = c if df > 1 else 0.0
+        for k in range(3, df - 1, 2):
+            term *= c * c * (k - 1) / k
+            total += term
+        a = 2 / math.pi * (theta + s * total)
+    else:  # sin(1 + 1/2 cos^2 + 1.3/2.4 cos^4 + ... up to cos^(df-2))
+        term = total = 1.0
+        for k in range(2, df - 1, 2):
+            term *= c * c * (k - 1) / k
+            total += term
+        a = s * total
+    return min(1.0, max(0.0, 1.0 - a))
 
 
 def mean_ci(values: list[float]) -> dict:
@@ -137,19 +167,3 @@ def plot_curves(bands: dict[str, list[dict]], sft_acc: float, gain: float, path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
-
-
-def declare(out: Path, design: dict, redeclare: bool = False) -> dict:
-    """Write OUT/endpoints.json (the endpoints and the design) before the first arm runs;
-    on a rerun, refuse a design that differs from the one declared."""
-    path = out / "endpoints.json"
-    want = {"endpoints": ENDPOINTS, **design}
-    if path.is_file() and not redeclare:
-        had = json.loads(path.read_text())
-        diff = sorted(k for k in want if k != "declared_at" and had.get(k) != want[k])
-        if diff:
-            raise SystemExit(f"{path}: declared with other {', '.join(diff)}; run with the "
-                             "declared design, another --out, or --redeclare")
-        return had
-    path.write_text(json.dumps(want, indent=1) + "\n")
-    return want

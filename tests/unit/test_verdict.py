@@ -60,14 +60,16 @@ def test_stratum_table_from_the_metrics(verdict, tmp_path: Path):
     assert verdict.stratum_table(tmp_path) == {"search/1": 0.55}
 
 
-def test_the_declared_design_cannot_change_under_the_runs(verdict, tmp_path: Path):
-    design = {"arms": ["grpo", "arpo"], "seeds": [0, 1], "declared_at": "then"}
-    verdict.declare(tmp_path, design)
-    assert verdict.declare(tmp_path, {**design, "declared_at": "now"})["declared_at"] == "then"
-    with pytest.raises(SystemExit, match="arms"):
-        verdict.declare(tmp_path, {**design, "arms": ["grpo"]})
-    assert verdict.declare(tmp_path, {**design, "arms": ["grpo"]}, redeclare=True)["arms"] == [
-        "grpo"]
+def test_t_tables_agree_with_the_exact_p_value(verdict):
+    # the closed form by hand: df 1, t 1: 1 - 2 atan(1) / pi; df 2: 1 - t / sqrt(2 + t^2)
+    assert verdict.t_two_sided_p(1.0, 1) == pytest.approx(0.5)
+    assert verdict.t_two_sided_p(math.sqrt(2), 2) == pytest.approx(1 - math.sqrt(0.5))
+    assert verdict.t_two_sided_p(0.0, 7) == pytest.approx(1.0)
+    assert math.isnan(verdict.t_two_sided_p(1.0, 0))
+    for df in [*range(1, 31), 40, 60, 120]:  # every tabled quantile, to its 3 decimals
+        assert verdict.t_two_sided_p(verdict.t975(df), df) == pytest.approx(0.05, abs=1e-4)
+        assert verdict.t_two_sided_p(verdict.t80(df), df) == pytest.approx(0.40, abs=5e-4)
+    assert verdict.t80(35) == 0.854 and verdict.t975(22) == 2.074
 
 
 Q = "What is the population of Vel Bira plus the population of Kos Havi?"
