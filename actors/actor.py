@@ -39,6 +39,12 @@ from actors.journal import TreeJournal, TreeRecord, journal_path, why_regenerate
 from actors.engines.base import GenerationEngine
 from actors.rollout import Occupancy, Rollout
 from arpo_async.core import protocol as P
+from arpo_async.core.faults import (
+    FAULT_HOLD_FIRST_GROUP,
+    FAULT_STOP_AFTER_GRANT,
+    actor_fault_floats,
+    actor_fault_int,
+)
 from arpo_async.core.metrics import append_jsonl, probe_sequence
 from arpo_async.core.rundir import saved_position
 from arpo_async.core.transport.control import ControlClient, TransportTimeout
@@ -48,30 +54,6 @@ from arpo_async.core.weights.zeromq import ZmqWeightReceiver
 from toolenv.tasks.prompts import PromptSource
 
 log = logging.getLogger("actor")
-
-# Fault point for tests: "ACTOR:VERSION" makes that actor stop its own process group
-# (SIGSTOP) once, right after it was granted a ticket with weights VERSION or newer
-# loaded, so that a test holds it stopped with a ticket for exactly as long as it wants
-# (a stop sent from outside races the group's end). Unset in every real run.
-FAULT_STOP_AFTER_GRANT = "ARPO_FAULT_STOP_AFTER_GRANT"
-
-
-# Fault point for tests: "ACTOR:SECONDS[:VERSION]" makes that actor hold its first group,
-# once generated, this long before sending it (as a slow last tool call would; heartbeats
-# go on, so its ticket stays held), or until the learner published VERSION: a straggler
-# for certain. Unset in every real run.
-FAULT_HOLD_FIRST_GROUP = "ARPO_FAULT_HOLD_FIRST_GROUP"
-
-
-def _fault_spec(name: str, actor_id: int) -> str | None:
-    spec = os.environ.get(name, "")
-    who, _, value = spec.partition(":")
-    return value if spec and int(who) == actor_id else None
-
-
-def _fault_stop_version(actor_id: int) -> int | None:
-    value = _fault_spec(FAULT_STOP_AFTER_GRANT, actor_id)
-    return None if value is None else int(value)
 
 
 def redo_positions(below: int, above, upto: int, pending) -> list[int]:
@@ -117,9 +99,9 @@ class Actor:
         self._resume: dict[int, TreeRecord] = {}
         self.control.on_hello = self._plan_redo
         self._probe_path = Path(cfg.run.dir) / f"actor{actor_id}_probe.jsonl"
-        self._stop_at = _fault_stop_version(actor_id)
-        hold = _fault_spec(FAULT_HOLD_FIRST_GROUP, actor_id)
-        self._hold = None if hold is None else [float(x) for x in hold.split(":")]
+        # the fault points (arpo_async/core/faults.py); None in every real run
+        self._stop_at = actor_fault_int(FAULT_STOP_AFTER_GRANT, actor_id)
+        self._hold = actor_fault_floats(FAULT_HOLD_FIRST_GROUP, actor_id)
         # ZeroMQ until run() has met the learner and picked the configured channel
         self.weights: WeightReceiver = ZmqWeightReceiver(self.control, actor_id)
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from arpo_async.core.faults import FAULT_HOLD_CHECKPOINT, fault_value
 from arpo_async.core.files import atomic_write_json, read_json
 from arpo_async.core.keys import server_keys_for
 from arpo_async.core.metrics import MetricsWriter, append_jsonl, probe_sequence
@@ -72,11 +73,6 @@ def service_resume(run_dir: Path, meta: dict | None) -> dict | None:
     return {"version": meta["policy_version"], "ledger": meta.get("ledger", {}), "newer": newer}
 
 
-# Fault point for tests: "STEP" makes rank 0 stop inside the checkpoint write of that step,
-# its weights and optimizer state written into the partial folder and nothing committed, and
-# wait there to be killed: a crash mid-write, exactly where the test wants it. Unset in
-# every real run.
-FAULT_HOLD_CHECKPOINT = "ARPO_FAULT_HOLD_CHECKPOINT"
 
 
 def write_checkpoint(cfg, trainer, rank: int, world: int, step: int, state: dict | None) -> float:
@@ -85,7 +81,7 @@ def write_checkpoint(cfg, trainer, rank: int, world: int, step: int, state: dict
     run_dir = Path(cfg.run.dir)
     tmp = broadcast(C.prepare(run_dir, step) if rank == 0 else None, rank, world)
     trainer.save_checkpoint(tmp, cfg.model.path)
-    if rank == 0 and os.environ.get(FAULT_HOLD_CHECKPOINT) == str(step):
+    if rank == 0 and fault_value(FAULT_HOLD_CHECKPOINT) == str(step):
         log.warning("fault point %s: holding the checkpoint of step %d unfinished in %s",
                     FAULT_HOLD_CHECKPOINT, step, tmp)
         while True:

@@ -252,15 +252,9 @@ class LearnerService:
         """A group that arrived: checked, counted, and held for training or dropped."""
         reason = check_group(group, self.vocab_size, self.max_tokens, self.max_leaves)
         with self.lock:
-            if reason:
-                self.invalid[reason] += 1
+            if (arrived := self._count_arrival(group, reason)) is None:
                 return
-            ticketed = self.ledger.receive(group.actor_id, group.stats.get("pid"),
-                                           group.stats.get("ticket_version"),
-                                           group.stats.get("ticket_epoch"))
-            self.tokens.receive(group)
-            why = self.ledger.claim_prompt(group.actor_id, group.stats.get("data_pos"),
-                                           group.stats.get("data_end"))
+            ticketed, why = arrived
             if why:  # this prompt came before, or no draw spans what the group claims
                 self._drop(_Held(group, ticketed), why)
                 return
@@ -270,6 +264,20 @@ class LearnerService:
                 ticketed = True
             self.held.append(_Held(group, ticketed))
             self._drop_too_old()
+
+    def _count_arrival(self, group: P.TrajectoryGroup, reason: str) -> tuple[bool, str] | None:
+        """Count an arrived group that ``check_group`` judged (``reason``; lock held): None
+        when it cannot be trained (counted under ``rejected/group/<reason>``), else whether
+        it holds a ticket and why its prompt does not count ("" when it does)."""
+        if reason:
+            self.invalid[reason] += 1
+            return None
+        ticketed = self.ledger.receive(group.actor_id, group.stats.get("pid"),
+                                       group.stats.get("ticket_version"),
+                                       group.stats.get("ticket_epoch"))
+        self.tokens.receive(group)
+        return ticketed, self.ledger.claim_prompt(group.actor_id, group.stats.get("data_pos"),
+                                                  group.stats.get("data_end"))
 
     def _drop_too_old(self) -> None:
         """Drop the held groups that can no longer be trained at this version (lock held)."""
@@ -466,17 +474,10 @@ class LearnerService:
                 quiet_since = time.monotonic()
                 reason = check_group(group, self.vocab_size, self.max_tokens, self.max_leaves)
                 with self.lock:
-                    if reason:
-                        self.invalid[reason] += 1
-                        continue
-                    self.ledger.receive(group.actor_id, group.stats.get("pid"),
-                                        group.stats.get("ticket_version"),
-                                        group.stats.get("ticket_epoch"))
-                    self.ledger.claim_prompt(group.actor_id, group.stats.get("data_pos"),
-                                             group.stats.get("data_end"))
-                    self.ledger.drop(group.actor_id, "shutdown")
-                    self.tokens.receive(group)
-                    self.tokens.drop(group, "shutdown")
+                    if self._count_arrival(group, reason) is not None:
+                        # counted, never trained (stopping: no capacity to release)
+                        self.ledger.drop(group.actor_id, "shutdown")
+                        self.tokens.drop(group, "shutdown")
                 continue
             with self.lock:
                 byes, done = self.ledger.drained()

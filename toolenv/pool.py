@@ -49,7 +49,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from toolenv.sandbox import Lease, SandboxRun
+from toolenv.sandbox import CappedOutput, Lease, SandboxRun
 
 log = logging.getLogger(__name__)
 
@@ -146,18 +146,11 @@ class WarmSandbox:
         """Feed the code, keep at most ``max_bytes`` of output; as ``run_capped``: killed on
         timeout, on passing the cap and on cancellation. Never raises for what it does."""
         start = time.monotonic()
-        chunks, state = [self._early], {"size": len(self._early), "truncated": False}
+        out = CappedOutput(max_bytes, self._kill_group, head=self._early)
 
         async def pump() -> int:
             await self._write_all(stdin)
-            while chunk := await self._read():
-                if state["truncated"]:
-                    continue  # killed: read on to EOF, discarding, so the pipe can close
-                chunks.append(chunk)
-                state["size"] += len(chunk)
-                if state["size"] > max_bytes:
-                    state["truncated"] = True
-                    self._kill_group()
+            await out.read_all(self._read)
             return await self._exited()
 
         timed_out, returncode = False, None
@@ -170,8 +163,7 @@ class WarmSandbox:
                 self._kill_group()
                 await asyncio.shield(self._reap())
             self._close()
-        return SandboxRun(b"".join(chunks), returncode, timed_out, state["truncated"],
-                          time.monotonic() - start)
+        return out.result(returncode, timed_out, time.monotonic() - start)
 
     async def _exited(self) -> int:
         await ready_fd(self._pidfd)  # a pidfd reads ready when the process has exited

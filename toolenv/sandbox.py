@@ -43,7 +43,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,8 +51,8 @@ from pathlib import Path
 from toolenv import seccomp
 from toolenv.uids import UID_POOL_BASE, UID_POOL_SIZE, UidPool, kill_uid, uid_processes
 
-__all__ = ["UID_POOL_BASE", "UID_POOL_SIZE", "Limits", "Sandbox", "SandboxRun", "UidPool",
-           "default_hidden", "kill_uid", "run_capped", "uid_processes"]
+__all__ = ["UID_POOL_BASE", "UID_POOL_SIZE", "CappedOutput", "Limits", "Sandbox", "SandboxRun",
+           "UidPool", "default_hidden", "kill_uid", "run_capped", "uid_processes"]
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,30 @@ class SandboxRun:
     timed_out: bool
     truncated: bool  # output passed the cap, so the command was killed early
     wall_s: float
+
+
+class CappedOutput:
+    """A command's output, kept up to ``max_bytes`` (plus at most one read chunk): past the
+    cap ``kill`` is called once and the rest is read to its end and thrown away, so the
+    pipe can close. Its state outlives ``read_all``, which a timeout cancels."""
+
+    def __init__(self, max_bytes: int, kill: Callable[[], None], head: bytes = b""):
+        self.max_bytes, self._kill = max_bytes, kill
+        self.chunks, self.size, self.truncated = [head], len(head), False
+
+    async def read_all(self, read: Callable[[], Awaitable[bytes]]) -> None:
+        """Read with ``read`` (b"" at the end) until the end."""
+        while chunk := await read():
+            if self.truncated:
+                continue  # killed: read on to EOF, discarding, so the pipe can close
+            self.chunks.append(chunk)
+            self.size += len(chunk)
+            if self.size > self.max_bytes:
+                self.truncated = True
+                self._kill()
+
+    def result(self, returncode: int | None, timed_out: bool, wall_s: float) -> SandboxRun:
+        return SandboxRun(b"".join(self.chunks), returncode, timed_out, self.truncated, wall_s)
 
 
 _SYSTEM_DIRS = {"/", "/usr", "/usr/lib", "/usr/local", "/usr/local/lib", "/lib", "/lib64",
@@ -358,10 +382,11 @@ async def run_capped(argv: Sequence[str], stdin: bytes, timeout_s: float, max_by
         **{"start_new_session": True, **spawn})
     if started is not None:
         started()
-    chunks: list[bytes] = []
-    state = {"size": 0, "truncated": False, "done": False}
+    out = CappedOutput(max_bytes, lambda: _kill_group(proc))
+    done = False
 
     async def pump() -> int:
+        nonlocal done
         try:
             proc.stdin.write(stdin)
             await proc.stdin.drain()
@@ -369,16 +394,9 @@ async def run_capped(argv: Sequence[str], stdin: bytes, timeout_s: float, max_by
             pass  # exited before reading its input: its output says why
         finally:
             proc.stdin.close()
-        while chunk := await proc.stdout.read(_READ_CHUNK):
-            if state["truncated"]:
-                continue  # killed: read on to EOF, discarding, so the pipe can close
-            chunks.append(chunk)
-            state["size"] += len(chunk)
-            if state["size"] > max_bytes:
-                state["truncated"] = True
-                _kill_group(proc)
+        await out.read_all(lambda: proc.stdout.read(_READ_CHUNK))
         returncode = await proc.wait()
-        state["done"] = True
+        done = True
         return returncode
 
     timed_out, returncode = False, None
@@ -387,11 +405,10 @@ async def run_capped(argv: Sequence[str], stdin: bytes, timeout_s: float, max_by
     except asyncio.TimeoutError:
         timed_out = True
     finally:
-        if not state["done"]:  # timed out, or the caller was cancelled
+        if not done:  # timed out, or the caller was cancelled
             _kill_group(proc)
             await asyncio.shield(_reap(proc))
-    return SandboxRun(b"".join(chunks), returncode, timed_out, state["truncated"],
-                      time.monotonic() - start)
+    return out.result(returncode, timed_out, time.monotonic() - start)
 
 
 async def _reap(proc: asyncio.subprocess.Process) -> None:

@@ -74,11 +74,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from arpo_async.core.logits import entropy_of_logits
+if TYPE_CHECKING:
+    import torch
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -88,6 +89,9 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     Tokens with logit -inf (masked out) contribute 0. Apply temperature before calling
     (``logits / T``) to get the entropy of the sampling distribution.
     """
+    # torch only here: the rest of this module (the rollout's round entropy) is numpy
+    from arpo_async.core.logits import entropy_of_logits
+
     return entropy_of_logits(logits.float())  # one softmax copy (arpo_async/core/logits.py)
 
 

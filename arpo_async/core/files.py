@@ -97,6 +97,21 @@ def read_jsonl(path: str | Path, error: type[Exception] = ValueError) -> list[di
     return [row for _, row in iter_jsonl(path, error)]
 
 
+def read_jsonl_appended(path: str | Path) -> list[Any]:
+    """Every line of a JSONL file that another process appends to that parses ([] while
+    the file does not exist): a line that does not (being written right now) is skipped."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
+
+
 def write_jsonl(path: str | Path, rows: Iterable[dict]) -> None:
     """Replace ``path`` with one JSON object a line (UTF-8 kept as is), atomically."""
     atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))

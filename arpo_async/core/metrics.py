@@ -18,6 +18,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from arpo_async.core.files import read_jsonl_appended
+
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, float]:
     out: dict[str, float] = {}
@@ -115,16 +117,7 @@ def _json_default(obj: Any) -> Any:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:  # a line being written right now
-            continue
-    return rows
+    return read_jsonl_appended(Path(run_dir) / "metrics.jsonl")  # the learner appends
 
 
 def probe_sequence(vocab_size: int, length: int = 24) -> tuple[list[int], list[int]]:

@@ -54,6 +54,7 @@ import numpy as np
 
 from actors.engines import build_engine
 from arpo_async.core.config import Config, ConfigError, load_config
+from arpo_async.core.entropy import entropy_from_logits, entropy_from_topk, window_entropy
 from arpo_async.core.files import atomic_write_json
 from arpo_async.core.rundir import latest_checkpoint
 from arpo_async.jobs.analyze_null import (
@@ -184,9 +185,6 @@ def score_entropies(model_path: str, leaves: list[dict], temperature: float,
     import torch  # torch: heavy, not for --help
     from transformers import AutoModelForCausalLM
 
-    # core.entropy imports torch: not for --help
-    from arpo_async.core.entropy import entropy_from_logits, entropy_from_topk
-
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     for leaf in leaves:
         ids = torch.tensor([leaf["prompt"] + [int(t) for t in leaf["tokens"]]])
@@ -206,8 +204,6 @@ def score_entropies(model_path: str, leaves: list[dict], temperature: float,
 
 def estimate_error(leaves: list[dict], k: int, reduce: str) -> dict:
     """Mean absolute error of the top-k estimate on the round entropy H and on dH."""
-    from arpo_async.core.entropy import window_entropy
-
     err_h, err_dh, dh_exact = [], [], []
     for leaf in leaves:
         rounds = rounds_of(leaf["mask"])
@@ -249,6 +245,18 @@ def plot(profile: dict, path: Path, k: int) -> Path:
 
 
 # ----------------------------------------------------------------------------- the command
+
+
+def _input_args(p: argparse.ArgumentParser) -> None:
+    """The arguments ``_inputs`` reads: a run folder, or a model and prompts."""
+    p.add_argument("run_dir", nargs="?", help="a run folder: its newest checkpoint, held-out "
+                   "prompts and corpus")
+    p.add_argument("--model", help="model folder (default: the run's newest checkpoint)")
+    p.add_argument("--data", help="prompts (JSONL/parquet; default: the suite's heldout.jsonl)")
+    p.add_argument("--corpus", help="JSONL corpus for a local retriever (search)")
+    p.add_argument("--config", help="YAML config without RUN_DIR (default configs/default.yaml)")
+    p.add_argument("--out", help="output folder (default RUN_DIR/analysis)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
 
 
 def _inputs(args) -> tuple[Config, Path, Path | None, Path]:
@@ -309,25 +317,18 @@ def main(argv: list[str] | None = None) -> int:
                                  description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="what", required=True)
     e = sub.add_parser("entropy", help="entropy by position around tool calls")
-    e.add_argument("run_dir", nargs="?", help="a run folder: its newest checkpoint, held-out "
-                   "prompts and corpus")
-    e.add_argument("--model", help="model folder (default: the run's newest checkpoint)")
-    e.add_argument("--data", help="prompts (JSONL/parquet; default: the suite's heldout.jsonl)")
-    e.add_argument("--corpus", help="JSONL corpus for a local retriever (search)")
-    e.add_argument("--config", help="YAML config without RUN_DIR (default configs/default.yaml)")
-    e.add_argument("--out", help="output folder (default RUN_DIR/analysis)")
+    _input_args(e)
     e.add_argument("--limit", type=int, default=48, help="prompts sampled")
     e.add_argument("--k", type=int, default=2, help="samples per prompt")
     e.add_argument("--resample", type=int, default=8, help="windows resampled at each "
                    "decision's prefix for the null test (at least 2)")
-    e.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     t = sub.add_parser("trees", help="the learner's kept groups as one HTML page "
                        "(arpo_async/jobs/trees_page.py)")
     t.add_argument("run_dir", help="a run folder with trees/ (learner.trees_every)")
     t.add_argument("--out", help="the page (default RUN_DIR/analysis/trees.html)")
     from arpo_async.jobs.analyze_branching import add_parser, run_command  # outcome test
 
-    add_parser(sub)
+    add_parser(sub, _input_args)
     # key=value after an option (``RUN --k 4 rollout.alpha=0.3``): argparse leaves it over
     args, extra = ap.parse_known_args(argv)
     stray = [w for w in extra if w.startswith("-") or "=" not in w]

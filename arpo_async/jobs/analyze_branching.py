@@ -286,23 +286,17 @@ async def _run(cfg, build_engine, source, tok, tools, prompts, k, roots, seed, r
         await tools.close()
 
 
-def add_parser(sub) -> None:
-    """The ``branching`` subcommand of ``python -m arpo_async.jobs.analyze``."""
+def add_parser(sub, input_args) -> None:
+    """The ``branching`` subcommand of ``python -m arpo_async.jobs.analyze``;
+    ``input_args`` adds the arguments its ``inputs`` (``run_command``) reads."""
     b = sub.add_parser("branching", help="outcome test: do entropy-placed forks change rewards?")
-    b.add_argument("run_dir", nargs="?", help="a run folder: its newest checkpoint, held-out "
-                   "prompts and corpus")
-    b.add_argument("--model", help="model folder (default: the run's newest checkpoint)")
-    b.add_argument("--data", help="prompts (JSONL/parquet; default: the suite's heldout.jsonl)")
-    b.add_argument("--corpus", help="JSONL corpus for a local retriever (search)")
-    b.add_argument("--config", help="YAML config without RUN_DIR (default configs/default.yaml)")
-    b.add_argument("--out", help="output folder (default RUN_DIR/analysis)")
+    input_args(b)
     b.add_argument("--limit", type=int, default=64, help="prompts")
     b.add_argument("--k", type=int, default=8, help="global samples per prompt and "
                    "continuations per post-tool state")
     b.add_argument("--roots", type=int, help="global samples whose states are probed (default K)")
     b.add_argument("--seed", type=int, default=0, help="sampling and bootstrap seed")
     b.add_argument("--boot", type=int, default=2000, help="bootstrap resamples")
-    b.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
 
 
 def run_command(args, inputs) -> int:

@@ -30,11 +30,11 @@ import numpy as np
 
 from actors.branching import P_BAND
 from actors.engines.base import ContextOverflow, GenRequest
+from arpo_async.core.entropy import ESTIMATORS, SHORT_ROUNDS, round_entropy
 from arpo_async.jobs.null_stats import N_BOOT, Decision, Trajectory, signal_to_noise
 
 AUTHORS_TOPK = 10  # the reference code's logprobs=10 (vllm_rollout_with_tools.py)
-ESTIMATORS = ("reference", "tail_corrected", "exact")  # core.entropy's, without torch
-RULES = ("as_is", "scale", "skip")
+RULES = SHORT_ROUNDS  # rollout.short_round's values
 
 
 def rounds_of(mask: np.ndarray) -> list[tuple[int, int]]:
@@ -142,8 +142,6 @@ def _h(rec: dict, start: int, end: int, est: str, rule: str, topk: int, vocab: i
        window: int) -> float:
     """H of the round rec[start:end] as the rollout would read it with ``est`` and
     ``rule`` (per token: ``top`` log-probs, ``sampled`` log-prob, ``nats``)."""
-    from arpo_async.core.entropy import round_entropy  # torch: not for --help
-
     k = AUTHORS_TOPK if est == "reference" else topk
     top = [list(row[:k]) for row in rec["top"][start:end]]
     return round_entropy(top, list(rec["sampled"][start:end]), list(rec["nats"][start:end]),

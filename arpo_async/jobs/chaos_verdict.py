@@ -40,6 +40,7 @@ import os
 import statistics
 from pathlib import Path
 
+from arpo_async.core.files import read_jsonl_appended
 from arpo_async.core.rundir import complete_checkpoints
 from toolenv.cache import ToolCache
 
@@ -51,18 +52,6 @@ def _read(path: Path) -> dict:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-
-
-def _jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
 
 
 def check_finished(run_dir: Path, launcher_rc: int | None) -> dict:
@@ -92,10 +81,12 @@ def fault_effect(fault: dict, cfg, restart_s: float, startup_s: float = 0.0) -> 
 
 
 def check_gap(run_dir: Path, cfg, startup_s: float) -> dict:
-    rows = sorted(_jsonl(run_dir / "metrics.jsonl"), key=lambda r: r.get("time", 0))
-    faults = _jsonl(run_dir / "chaos.jsonl")
-    restarts = max((e.get("restart", 0) for e in _jsonl(run_dir / "events.jsonl")
-                    if e.get("event") == "restart"), default=1)
+    rows = sorted(read_jsonl_appended(run_dir / "metrics.jsonl"),
+                  key=lambda r: r.get("time", 0))
+    faults = read_jsonl_appended(run_dir / "chaos.jsonl")
+    events = read_jsonl_appended(run_dir / "events.jsonl")
+    restarts = max((e.get("restart", 0) for e in events if e.get("event") == "restart"),
+                   default=1)
     base = max(cfg.actors.restart_backoff_s, cfg.learner.restart_backoff_s)
     backoff = min(RESTART_CAP_S, base * 2.0 ** max(restarts - 1, 0))
     restart_s = backoff + startup_s
@@ -181,7 +172,7 @@ def check_ledger(run_dir: Path) -> dict:
 
 
 def check_staleness(run_dir: Path, cfg) -> dict:
-    rows = _jsonl(run_dir / "metrics.jsonl")
+    rows = read_jsonl_appended(run_dir / "metrics.jsonl")
     worst = max((r.get("staleness_max", 0) for r in rows), default=0)
     return {"ok": bool(rows) and worst <= cfg.learner.max_staleness,
             "value": f"max {worst} <= {cfg.learner.max_staleness}", "max": worst}
@@ -255,7 +246,8 @@ def check_processes(marker: str, run_dir: Path, exclude: set[int]) -> dict:
 
 
 def check_retriever(run_dir: Path, restarts: int, finished: bool) -> dict:
-    kills = sum(1 for f in _jsonl(run_dir / "chaos.jsonl") if f["kind"] == "retriever_kill")
+    kills = sum(1 for f in read_jsonl_appended(run_dir / "chaos.jsonl")
+                if f["kind"] == "retriever_kill")
     svc = _read(run_dir / "summary.json").get("learner", {})
     errors = sum(v for k, v in svc.items() if k.endswith("/tools/search.errors"))
     calls = sum(v for k, v in svc.items() if k.endswith("/tools/search.calls"))
@@ -278,7 +270,7 @@ def verdict(run_dir: Path, cfg, launcher_rc: int | None, startup_s: float, cache
     checks["retriever"] = check_retriever(run_dir, retriever_restarts,
                                           checks["finished"]["ok"])
     faults: dict[str, int] = {}
-    for f in _jsonl(run_dir / "chaos.jsonl"):
+    for f in read_jsonl_appended(run_dir / "chaos.jsonl"):
         faults[f["kind"]] = faults.get(f["kind"], 0) + 1
     return {"ok": all(c["ok"] for c in checks.values()), "faults": faults, "checks": checks}
 

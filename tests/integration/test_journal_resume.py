@@ -35,7 +35,7 @@ import pytest
 from actors.journal import TreeJournal, journal_path
 from arpo_async.core import rundir as R
 from learner import checkpoint as C
-from learner.loop import FAULT_HOLD_CHECKPOINT
+from arpo_async.core.faults import FAULT_HOLD_CHECKPOINT
 from tests.conftest import PY, REPO, python_env
 from tests.integration.faultkit import Run, check_ledger, gone, signal_group
 

@@ -40,28 +40,13 @@ from typing import Any, ClassVar
 
 
 from arpo_async.core import protocol as P
+from arpo_async.core.faults import FAULT_CORRUPT_DELTA, FAULT_KILL_AFTER_DELTA, actor_fault_int
 from arpo_async.core.transport.control import Encoded, expect
 from arpo_async.core.transport.sockets import nbytes
 from arpo_async.core.weights.base import Channel, Loaded, Requester, WeightReceiver
 from arpo_async.core.weights.delta_codec import apply_step, bits, checksum, digest, step
 
 log = logging.getLogger("weights")
-
-# Fault point for tests: "ACTOR:VERSION" makes that actor's receiver change one value of
-# the first step delta it is given to VERSION or later, after it arrived (a corrupted
-# delta: the checksum must catch it and a full copy follow). Unset in every real run.
-FAULT_CORRUPT_DELTA = "ARPO_FAULT_CORRUPT_DELTA"
-# Fault point for tests: "ACTOR:VERSION" makes that actor kill its own process (SIGKILL)
-# right after it first loaded VERSION or later through a step delta, once per run (a file
-# in the run folder says it happened, with the version and the pid): it restarts with no
-# copy of its own, between a delta and the next full copy. Unset in every real run.
-FAULT_KILL_AFTER_DELTA = "ARPO_FAULT_KILL_AFTER_DELTA"
-
-
-def _fault_version(name: str, actor_id: int) -> int | None:
-    spec = os.environ.get(name, "")
-    who, _, version = spec.partition(":")
-    return int(version) if spec and int(who) == actor_id else None
 
 
 @dataclass
@@ -258,8 +243,9 @@ class DeltaWeightReceiver:
         self.loaded_digest: int | None = None
         self.rejected: Counter = Counter()  # reason -> steps refused (then a full copy)
         self.steps = self.fulls = 0
-        self._corrupt = _fault_version(FAULT_CORRUPT_DELTA, actor_id)
-        self._kill = _fault_version(FAULT_KILL_AFTER_DELTA, actor_id)
+        # the fault points (arpo_async/core/faults.py); None in every real run
+        self._corrupt = actor_fault_int(FAULT_CORRUPT_DELTA, actor_id)
+        self._kill = actor_fault_int(FAULT_KILL_AFTER_DELTA, actor_id)
 
     def drop(self) -> None:
         self.base, self.version, self.digest, self.checksums = None, -1, 0, {}
