@@ -98,7 +98,9 @@ from verdict import (  # noqa: E402
 )
 
 ARMS = ("grpo", "arpo", "random", "random_strat", "aepo", "arpo_max")
-KNOWN_ARMS = (*ARMS, "arpo_exact", "aepo_released")  # these run only when named in --arms
+# these run only when named in --arms; arpo_tree / arpo_tree_grpo: arpo's rollout with tree
+# credit (learner.loss.advantage, learner/advantages.py; issue 55)
+KNOWN_ARMS = (*ARMS, "arpo_exact", "aepo_released", "arpo_tree", "arpo_tree_grpo")
 REFERENCE = {"rollout.entropy_estimator": "reference", "sampling.logprobs_topk": 10,
              "rollout.alpha": 0.5, "rollout.beta": 0.2}
 # The authors' rollout (vllm_rollout_with_tools.py): short rounds summed as they are, a
@@ -120,7 +122,8 @@ PAIRS = (("arpo", "random"), ("arpo", "random_strat"), ("arpo", "grpo"),
          ("arpo_max", "grpo"), ("arpo_max", "random_strat"), ("arpo_max", "arpo"),
          ("random", "grpo"), ("random_strat", "grpo"), ("aepo", "grpo"),
          ("arpo_exact", "random"), ("arpo_exact", "grpo"), ("aepo_released", "grpo"),
-         ("aepo", "aepo_released"))
+         ("aepo", "aepo_released"), ("arpo_tree", "arpo"), ("arpo_tree_grpo", "arpo"),
+         ("arpo_tree", "arpo_tree_grpo"))
 MATCHED = ("random", "random_strat")  # arms that take their rates from the seed's arpo run
 
 
@@ -135,6 +138,9 @@ def arm_overrides(arm: str, random_alpha: float | None,
     if arm == "arpo_exact":
         return {"rollout.mode": "arpo", **REFERENCE, **AUTHORS,
                 "rollout.entropy_estimator": "exact"}
+    if arm in ("arpo_tree", "arpo_tree_grpo"):
+        return {"rollout.mode": "arpo", **REFERENCE, **AUTHORS,
+                "learner.loss.advantage": arm.removeprefix("arpo_")}
     if arm in ("aepo", "aepo_released"):
         return {"rollout.mode": "aepo", **REFERENCE, **AUTHORS,
                 **(AEPO_PAPER if arm == "aepo" else AEPO_RELEASED)}
@@ -264,6 +270,7 @@ def row_from_folder(run_dir: Path, arm: str, seed: int) -> dict:
            "fork_rate": rl.get("fork_rate"), "p_outside_band_share": rl.get("p_outside_band_share"),
            "p_mean": rl.get("branch_p_mean_mean"), "steps": rl.get("steps"),
            "rl_wall_s": rl.get("rl_wall_s"), "alpha": cfg.rollout.alpha,
+           "nonzero_var_share": (rl.get("nonzero_var") or {}).get("share"),
            "beta": cfg.rollout.beta, "estimator": cfg.rollout.entropy_estimator,
            "run_dir": str(run_dir),
            **(json.loads(timing_path.read_text()) if timing_path.is_file() else {})}
