@@ -34,7 +34,10 @@ import signal
 import time
 from pathlib import Path
 
+import numpy as np
+
 from actors.control import ResilientControl
+from actors.difficulty import DifficultyBudget
 from actors.journal import TreeJournal, TreeRecord, journal_path, why_regenerate
 from actors.engines.base import GenerationEngine
 from actors.rollout import Occupancy, Rollout
@@ -99,6 +102,10 @@ class Actor:
         self._resume: dict[int, TreeRecord] = {}
         self.control.on_hello = self._plan_redo
         self._probe_path = Path(cfg.run.dir) / f"actor{actor_id}_probe.jsonl"
+        # task.difficulty: pass over prompts whose groups would teach nothing
+        d = cfg.task.difficulty
+        self.difficulty = (DifficultyBudget(d, np.random.default_rng([cfg.run.seed, actor_id, 55]))
+                           if d.enabled else None)
         # the fault points (arpo_async/core/faults.py); None in every real run
         self._stop_at = actor_fault_int(FAULT_STOP_AFTER_GRANT, actor_id)
         self._hold = actor_fault_floats(FAULT_HOLD_FIRST_GROUP, actor_id)
@@ -231,7 +238,10 @@ class Actor:
             self.redone += 1
             return pos, pos + 1, self.source.prompt_at(pos)
         pos = self.source.position
-        prompt = self.source.next()
+        if self.difficulty is None:
+            prompt = self.source.next()
+        else:  # prompts passed over are inside [pos, end), as those too long are
+            prompt, _ = self.difficulty.draw(self.source.next)
         return pos, self.source.position, prompt
 
     async def _group(self, ticket: tuple[int, int]) -> None:
@@ -249,6 +259,8 @@ class Actor:
         journal = (self.journal.group(pos, end, self.source.position)
                    if self.journal is not None else None)
         group = await self.rollout.run(prompt, self.actor_id, journal)
+        if self.difficulty is not None:
+            self.difficulty.observe(prompt, [leaf.reward for leaf in group.leaves])
         if self._hold is not None:
             await self._fault_hold(pos)
         # the actor's own figures next to the rollout's (branch/*), never instead of them
@@ -328,6 +340,8 @@ class Actor:
                "pid": float(os.getpid()), "data_pos": float(self.data_position()),
                "prompts_redone": float(self.redone),
                "prompts_skipped_too_long": self.source.skipped_long}
+        if self.difficulty is not None:
+            out |= self.difficulty.stats()
         occupancy = getattr(self.rollout, "occupancy", None)
         if occupancy is not None:
             out |= {"generating": float(occupancy.count), "generating_mean": occupancy.mean(),

@@ -185,6 +185,9 @@ def rl_figures(run_dir: Path) -> dict:
         "context_full": sum(r.get("rollout/context_full", 0) for r in rows),
         "prompts_skipped_too_long": sum(v for k, v in svc.items()
                                         if k.endswith("prompts_skipped_too_long")),
+        # task.difficulty: prompts passed over as uninformative (actors/difficulty.py)
+        "prompts_skipped_difficulty": sum(v for k, v in svc.items()
+                                          if k.endswith("difficulty/skipped")),
         "tool_cache_hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
         **tenth_means(rows, "reward_mean", "reward"),
         **tenth_means(rows, "score_mean", "train_accuracy"),

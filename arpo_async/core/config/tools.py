@@ -14,6 +14,27 @@ from arpo_async.core.config.base import Tagged, _Section
 _SERVER_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")  # the prefix of its tools' names (tags)
 
 
+class DifficultyConfig(_Section):
+    """Pass over prompts the recent policy always solves or never does (actors/difficulty.py):
+    a prompt is skipped with probability max_skip * the share of its kind's recent groups
+    without reward variance (1 for a prompt whose last group had none)."""
+
+    enabled: bool = Field(False, description="skip prompts by their kind's recent "
+                          "share of groups without reward variance")
+    max_skip: float = Field(
+        0.75, ge=0, lt=1, description="the largest chance a prompt is passed over: each is "
+        "still drawn at least 1 - max_skip of the times the stream offers it")
+    window: int = Field(
+        32, ge=1, description="groups of a kind the estimate averages over (an exponential "
+        "moving average with rate 1/window)")
+    min_groups: int = Field(8, ge=1, description="groups of a kind seen before it is skipped")
+    max_prompt_skips: int = Field(
+        3, ge=1, description="a prompt passed over this many times in a row is taken the next "
+        "time it comes up")
+    max_consecutive: int = Field(
+        16, ge=1, description="prompts one draw may pass over before it takes the next one")
+
+
 class TaskConfig(_Section):
     name: Literal["arith", "synthetic_tools", "file"] = Field(
         "arith",
@@ -25,6 +46,9 @@ class TaskConfig(_Section):
     )
     seed: int = Field(0, description="seed of the generated task")
     num_prompts: int = Field(2000, description="prompts generated for built-in tasks")
+    difficulty: DifficultyConfig = Field(
+        default_factory=lambda: DifficultyConfig(), description="budget by prompt "
+        "difficulty: skip prompts whose groups would teach nothing (off by default)")
 
 
 class McpStdioServer(_Section):
