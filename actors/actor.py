@@ -264,10 +264,9 @@ class Actor:
         if self._hold is not None:
             await self._fault_hold(pos)
         # the actor's own figures next to the rollout's (branch/*), never instead of them
-        group.stats = {**group.stats, "gen_s": time.time() - group.created_at,
-                       "pid": float(os.getpid()), "data_pos": float(pos),
-                       "data_end": float(end),
-                       "ticket_version": float(ticket[0]), "ticket_epoch": float(ticket[1])}
+        group.stats = {**group.stats, "gen_s": time.time() - group.created_at}
+        group.pid, group.data_pos, group.data_end = os.getpid(), pos, end
+        group.ticket_version, group.ticket_epoch = ticket
         await self.sender.send(group)  # stamps sent_at
         if self.journal is not None:
             self.journal.sent(pos)

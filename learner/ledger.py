@@ -54,7 +54,7 @@ MAX_SPAN = 4096
 
 def span_end(pos: int, end_stat) -> int:
     """The end of the stream positions [pos, end) a group at ``pos`` claims (``end_stat``:
-    its ``stats["data_end"]``; ``pos + 1`` when it does not say), or -1 when no draw spans
+    its origin's ``data_end``; ``pos + 1`` when it does not say), or -1 when no draw spans
     them: an end that is not a whole number (positions are counts; a clock's deadline once
     went out as one), not past ``pos`` (a draw takes its own prompt's position), or more
     than ``MAX_SPAN`` past it."""
@@ -66,7 +66,7 @@ def span_end(pos: int, end_stat) -> int:
 
 @dataclass
 class PromptRecord:
-    """The stream positions (``stats["data_pos"]`` of a group: the prompt's index in the
+    """The stream positions (``data_pos`` of a group's origin: the prompt's index in the
     actor's seeded prompt stream) of the groups the learner took from one actor, trained
     or dropped with a reason: every position below ``below``, and those in ``above``.
     A group whose position was taken already is a duplicate: a restarted actor draws
@@ -276,36 +276,34 @@ class Ledger:
         led.sent_by_pid[peer_count(stats.get("pid"), led.pid)] = peer_count(groups_sent, 0)
 
     # ------------------------------------------------------------- groups
-    def receive(self, actor_id: int, pid_stat, ticket_version_stat=None,
-                ticket_epoch_stat=None) -> bool:
-        """A checked group arrived (``pid_stat``, ``ticket_version_stat``,
-        ``ticket_epoch_stat``: its ``stats["pid"]``, ``["ticket_version"]`` and
-        ``["ticket_epoch"]``); whether it used a ticket still counted by admission. The
-        caller then records it as trained (after the step) or dropped."""
+    def receive(self, actor_id: int, pid, ticket_version=None, ticket_epoch=None) -> bool:
+        """A checked group arrived (its origin's ``pid``, ``ticket_version`` and
+        ``ticket_epoch``, protocol ``TrajectoryGroup``; -1 or None: not said); whether it
+        used a ticket still counted by admission. The caller then records it as trained
+        (after the step) or dropped."""
         led = self.actor(actor_id)
         led.received_total += 1
-        pid = peer_count(pid_stat, led.pid)
+        pid = peer_count(pid, led.pid)
         led.received_by_pid[pid] = led.received_by_pid.get(pid, 0) + 1
-        return led.take_ticket(pid, peer_count(ticket_version_stat, -1),
-                               peer_count(ticket_epoch_stat, -1))
+        return led.take_ticket(pid, peer_count(ticket_version, -1),
+                               peer_count(ticket_epoch, -1))
 
-    def claim_prompt(self, actor_id: int, data_pos_stat, data_end_stat=None) -> str:
+    def claim_prompt(self, actor_id: int, data_pos, data_end=None) -> str:
         """A group that arrived claims the stream positions its draw consumed, [data_pos,
-        data_end) (``data_pos_stat``, ``data_end_stat``: its ``stats["data_pos"]`` and
-        ``["data_end"]``): "" when they are taken now, else why the caller drops the group:
-        DUPLICATE (one was taken already) or BAD_ORIGIN (no draw spans them, ``span_end``:
-        nothing is taken, and an actor's first is logged). A group without a position is
-        not tracked ("")."""
-        pos = peer_count(data_pos_stat, -1)
+        data_end) (its origin's; ``data_end`` None: pos + 1): "" when they are taken now,
+        else why the caller drops the group: DUPLICATE (one was taken already) or
+        BAD_ORIGIN (no draw spans them, ``span_end``: nothing is taken, and an actor's
+        first is logged). A group without a position (-1) is not tracked ("")."""
+        pos = peer_count(data_pos, -1)
         if pos < 0:
             return ""
-        led, end = self.actor(actor_id), span_end(pos, data_end_stat)
+        led, end = self.actor(actor_id), span_end(pos, data_end)
         if end < 0:
             if not led.told_bad_origin:
                 led.told_bad_origin = True
                 log.warning("actor %d: a group claims stream positions [%d, %r), which no "
                             "draw spans: refused, %s (its first; the others only counted)",
-                            actor_id, pos, data_end_stat, BAD_ORIGIN)
+                            actor_id, pos, data_end, BAD_ORIGIN)
             return BAD_ORIGIN
         return "" if led.prompts.take(pos, end) else DUPLICATE
 

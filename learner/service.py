@@ -272,12 +272,11 @@ class LearnerService:
         if reason:
             self.invalid[reason] += 1
             return None
-        ticketed = self.ledger.receive(group.actor_id, group.stats.get("pid"),
-                                       group.stats.get("ticket_version"),
-                                       group.stats.get("ticket_epoch"))
+        ticketed = self.ledger.receive(group.actor_id, group.pid, group.ticket_version,
+                                       group.ticket_epoch)
         self.tokens.receive(group)
-        return ticketed, self.ledger.claim_prompt(group.actor_id, group.stats.get("data_pos"),
-                                                  group.stats.get("data_end"))
+        return ticketed, self.ledger.claim_prompt(
+            group.actor_id, group.data_pos, group.data_end if group.data_end >= 0 else None)
 
     def _drop_too_old(self) -> None:
         """Drop the held groups that can no longer be trained at this version (lock held)."""

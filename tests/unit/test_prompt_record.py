@@ -110,8 +110,7 @@ def _group(gid: str, pos: int, pid: int = 100) -> P.TrajectoryGroup:
                         loss_mask=np.ones(n, np.uint8), logprobs=np.full(n, -0.5, np.float32),
                         versions=np.zeros(n, np.int32))
     return P.TrajectoryGroup(gid, 0, f"p{pos}", np.arange(1, 5, dtype=np.int32), [leaf],
-                             stats={"pid": float(pid), "ticket_version": 0.0,
-                                    "data_pos": float(pos)})
+                             pid=pid, ticket_version=0, data_pos=pos)
 
 
 @pytest.fixture
@@ -143,13 +142,14 @@ def test_the_learner_trains_a_prompt_once_and_releases_the_duplicates_ticket(ser
 
 
 def test_the_learner_drops_a_group_whose_origin_cannot_be_true(service):
-    """The group of the hold fault's name clash (its deadline sent as data_end) is dropped
-    "bad_origin" with its ticket released, and takes no position: the actor's next prompt
-    is trained, not dropped as a duplicate."""
+    """The group of the hold fault's name clash (its deadline sent as data_end: a float,
+    which the wire now refuses, tests/unit/test_protocol.py; here a whole number past any
+    draw's span) is dropped "bad_origin" with its ticket released, and takes no position:
+    the actor's next prompt is trained, not dropped as a duplicate."""
     assert service._handle(P.TicketRequest(0, 0, 2), b"").granted == 2
     started = service.admission.started
     held = _group("held", 0)
-    held.stats["data_end"] = 1234.567
+    held.data_end = 1_000_000
     service._accept(held)
     service._accept(_group("next", 1))
     assert [h.group.group_id for h in service.held] == ["next"]

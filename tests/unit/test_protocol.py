@@ -514,3 +514,20 @@ def test_group_kind_round_trips_and_is_checked():
     # a sender from before the field: the group arrives without a kind
     assert P.decode(repack(frames, lambda h: h["body"].pop("kind"))).kind == ""
     assert_rejects(repack(frames, lambda h: h["body"].update(kind=3)), "bad_field")
+
+
+def test_group_origin_is_typed_and_checked_at_the_wire():
+    """The origin the ledger reads (pid, [data_pos, data_end), ticket version and epoch)
+    travels as whole numbers the decoder checks; a figure in ``stats`` is never read as
+    one. The hold fault's deadline-as-data_end (a float) is refused here."""
+    group = P.TrajectoryGroup("g", 0, "p", np.zeros(1, np.int32), [], pid=7, data_pos=3,
+                              data_end=5, ticket_version=2, ticket_epoch=1)
+    got = P.decode(wire(group))
+    assert (got.pid, got.data_pos, got.data_end, got.ticket_version, got.ticket_epoch) == \
+        (7, 3, 5, 2, 1)
+    assert P.decode(wire(P.TrajectoryGroup("g", 0, "p", np.zeros(1, np.int32), []))
+                    ).data_pos == -1  # not said: not tracked
+    frames = wire(group)
+    for bad in ({"data_end": 1234.567}, {"data_end": 3}, {"data_end": 2},
+                {"data_pos": -1}, {"pid": -5}, {"ticket_epoch": "1"}, {"data_pos": True}):
+        assert_rejects(repack(frames, lambda h, bad=bad: h["body"].update(bad)), "bad_field")

@@ -24,7 +24,7 @@ def _group(actor: int, version: int, n_tokens: int, pid: int) -> P.TrajectoryGro
                         versions=np.full(n_tokens, version, np.int32))
     return P.TrajectoryGroup(f"g{actor}-{version}-{n_tokens}", actor, "p",
                              np.arange(1, 5, dtype=np.int32), [leaf],
-                             stats={"pid": float(pid), "ticket_version": float(version)})
+                             pid=pid, ticket_version=version)
 
 
 @pytest.fixture

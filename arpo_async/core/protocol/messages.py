@@ -123,6 +123,16 @@ class TrajectoryGroup:
     # the trees page (learner/trees.py), not for training.
     decisions: list[list[float]] = field(default_factory=list)
     kind: str = ""  # the prompt's task kind (its data row's "kind"), for per-kind figures
+    # Where it came from, typed and checked at the wire (wire.py ``_check_origin``; the
+    # learner's ledger, learner/ledger.py, reads nothing else): the actor's process, the
+    # stream positions its draw consumed, [data_pos, data_end), and the ticket it used
+    # (the weights' version and the actor's ticket epoch when granted). -1: not said, the
+    # group is then not tracked. ``stats`` carries figures only.
+    pid: int = -1
+    data_pos: int = -1
+    data_end: int = -1
+    ticket_version: int = -1
+    ticket_epoch: int = -1
 
     def min_version(self) -> int:
         versions = [leaf.versions[leaf.loss_mask > 0] for leaf in self.leaves]
@@ -170,7 +180,7 @@ class TicketGrant:
     stop: bool = False  # the run is over: finish up and say Bye
     reason: str = ""
     # how many times the learner has voided this actor's tickets (a Hello after a timeout,
-    # a silence): a group reports the epoch of its ticket (stats["ticket_epoch"]), so that
+    # a silence): a group reports the epoch of its ticket (``ticket_epoch``), so that
     # a group of a voided ticket is told apart from one of a ticket granted since
     epoch: int = 0
 

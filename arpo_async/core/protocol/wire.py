@@ -274,7 +274,20 @@ def _decode_group(body: dict, arrays: list[tuple[str, np.ndarray]],
                                             "leaves": leaves})
     _check(isinstance(group.group_id, str) and isinstance(group.prompt_id, str),
            "bad_field", "ids")
+    _check_origin(group)
     return group
+
+
+def _check_origin(group: TrajectoryGroup) -> None:
+    """An origin no draw can have is malformed: a field below -1 (not said), a data_end
+    without its data_pos, or one not past it (a draw consumes its own prompt's position;
+    a deadline once went out as a data_end: learner/ledger.py ``span_end`` also bounds how
+    far past)."""
+    for name in ("pid", "data_pos", "data_end", "ticket_version", "ticket_epoch"):
+        _check(getattr(group, name) >= -1, "bad_field", f"{name}: below -1")
+    if group.data_end != -1:
+        _check(0 <= group.data_pos < group.data_end, "bad_field",
+               f"data_end {group.data_end} not past data_pos {group.data_pos}")
 
 
 def _whole(metas: list[tuple[int, int, dict]], own: list[dict]) -> list[Trajectory]:
