@@ -76,10 +76,11 @@ def packed_step_loss(model, lm_head, batch, mask, settings, temperature: float, 
     metrics; what the trainer backpropagates. ``ref``: the reference policy's target
     log-probs (KL term); ``batch_entropy_stats``: the whole batch's entropy (mean, std) for
     AEPO's entropy-aware advantage (None: this micro-batch's own)."""
-    want = bool(settings.entropy_coef or settings.aepo_entropy_adv_gamma)
-    logp, ent, anchor = packed_forward(model, lm_head, batch, mask, temperature, chunk, want)
+    needs = settings.needs
+    logp, ent, anchor = packed_forward(model, lm_head, batch, mask, temperature, chunk,
+                                       needs.entropy)
     stats = batch_entropy_stats
-    if stats is None and settings.aepo_entropy_adv_gamma:
+    if stats is None and needs.batch_entropy:
         stats = entropy_stats(batch, ent)
     loss, metrics = policy_loss(packed_loss_inputs(batch, logp, ent, proximal, ref), settings,
                                 normaliser=normaliser, entropy_stats=stats)

@@ -55,9 +55,7 @@ def padded_step_loss(model, batch: Batch, settings, temperature: float, normalis
     """The loss of one padded micro-batch (the reference the packed paths must equal);
     ``ref``: reference log-probs (KL), ``batch_entropy_stats``: the whole batch's entropy
     (mean, std) for AEPO's entropy-aware advantage (None: this micro-batch's own)."""
-    logp, entropy = padded_forward(model, batch, temperature,
-                                   bool(settings.entropy_coef or settings.aepo_entropy_adv_gamma),
-                                   chunk)
+    logp, entropy = padded_forward(model, batch, temperature, settings.needs.entropy, chunk)
     inputs = LossInputs(
         logprobs=logp, behaviour_logprobs=batch.behaviour, proximal_logprobs=proximal,
         advantages=batch.advantages, loss_mask=batch.weight, ref_logprobs=ref, entropy=entropy,

@@ -140,7 +140,7 @@ class PolicyTrainer:
         self.last_steps: list[dict[str, float]] = []  # the last batch's per-step metrics
         self.last_entropy_stats: tuple[float, float] | None = None  # and its z(H) statistics
         self.reference = None
-        if self.loss_settings.kl_coef != 0.0:  # a frozen copy of the initial weights
+        if self.loss_settings.needs.reference:  # a frozen copy of the initial weights
             self.reference = ReferencePolicy(cfg, model_path, self.strategy.prepare)
 
     # ------------------------------------------------------------------ training
@@ -179,7 +179,7 @@ class PolicyTrainer:
         advantage)."""
         s = self.loss_settings
         recompute = self.cfg.learner.loss.proximal == "recompute"
-        want_ent = s.aepo_entropy_adv_gamma != 0.0
+        want_ent = s.needs.batch_entropy
         proximal: list[list] | None = [] if recompute else None
         ref: list[list] | None = [] if self.reference is not None else None
         moments = torch.zeros(3, dtype=torch.float64)

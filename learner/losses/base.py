@@ -155,12 +155,12 @@ def check_inputs(inp: LossInputs, settings, unit: str) -> None:
     if unit == "sequence" and inp.seq_ids is None:
         raise ValueError(f"loss type {settings.type!r} is sequence-level: it needs "
                          "LossInputs.seq_ids")
-    if settings.kl_coef != 0.0 and inp.ref_logprobs is None:
+    needs = settings.needs
+    if needs.reference and inp.ref_logprobs is None:
         raise ValueError("kl_coef != 0 needs LossInputs.ref_logprobs")
-    if (settings.entropy_coef != 0.0 or settings.aepo_entropy_adv_gamma != 0.0) \
-            and inp.entropy is None:
+    if needs.entropy and inp.entropy is None:
         raise ValueError("entropy_coef / aepo_entropy_adv_gamma != 0 needs LossInputs.entropy")
-    if settings.entropy_coef != 0.0 and inp.logprobs.requires_grad \
+    if needs.entropy_grad and inp.logprobs.requires_grad \
             and not inp.entropy.requires_grad:
         raise ValueError("entropy_coef != 0 but LossInputs.entropy carries no gradient")
 

@@ -15,7 +15,7 @@ is a class here, added to ``LOSS_TYPES``, and its module under learner/losses/
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from pydantic import Field, field_validator, model_validator
 
@@ -54,6 +54,16 @@ IMPORTANCE = Tagged("learner.loss.importance", "mode", IMPORTANCE_MODES, "trunca
 ImportanceConfig = IMPORTANCE.annotation
 
 
+class LossNeeds(NamedTuple):
+    """What the learner computes for a loss beside the policy's log-probs: the loss
+    declares it (``_LossBase.needs``), the trainer reads it, never the knob names."""
+
+    entropy: bool  # token entropies of the current policy
+    entropy_grad: bool  # ... with their gradient (an entropy term in the loss)
+    batch_entropy: bool  # the whole step's entropy mean and std (over micro-batches, ranks)
+    reference: bool  # a frozen reference policy's log-probs (a KL term)
+
+
 class _LossBase(_Section):
     proximal: Literal["recompute", "bypass"] = Field(
         "bypass", description="proximal log-probs: learner forward pass, or behaviour log-probs"
@@ -73,6 +83,16 @@ class _LossBase(_Section):
     entropy_coef: float = Field(0.0, description="entropy bonus (0 in ARPO)")
     aepo_entropy_adv_gamma: float = Field(
         0.0, description="AEPO: entropy-aware advantage gamma")
+
+    @property
+    def needs(self) -> LossNeeds:
+        """What this loss needs computed (a type whose objective needs more overrides it):
+        the entropy bonus needs entropies with their gradient, AEPO's entropy-aware
+        advantage entropies and their batch moments, the KL term the reference."""
+        return LossNeeds(entropy=bool(self.entropy_coef or self.aepo_entropy_adv_gamma),
+                         entropy_grad=self.entropy_coef != 0.0,
+                         batch_entropy=self.aepo_entropy_adv_gamma != 0.0,
+                         reference=self.kl_coef != 0.0)
 
 
 class PPOLoss(_LossBase):
