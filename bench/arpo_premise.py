@@ -18,16 +18,23 @@ each scored by the task's reward. Figures:
 * **top_third**: the same ratio for the sharpest allocation dH allows (fork only at the
   states in the top third of dH): ARPO's own P (0.5 + 0.2 dH) varies so little that its
   ratio stays near 1 whatever dH says;
-* corr(dH, D) overall, by tool and by tool-result kind (in the JSON).
+* corr(dH, D) overall, by tool and by tool-result kind (in the JSON);
+* **the rules screen** (issue 53; arpo_async/jobs/screen_stats.py): every fork-placement
+  rule (arpo, max_token, stratum, prompt_pq, random, oracle) scored on the same probed
+  states: its ratio against random with a 90% Fieller interval, its paired difference
+  from arpo, a within-prompt permutation p, and discordance per executed tool call
+  against fresh global samples; printed as a table, in the JSON under ``screen``.
 
 Target: ci_low > 1. Resumable: finished prompts are lines of
 ``OUT/branching_prompts.jsonl`` (default OUT = RUN/analysis), read back on a rerun with
 the same settings. The last line is ``RESULT arpo_premise useful_fork_ratio=<x>
-ci_low=<l> ci_high=<h> fork_vs_global=<y> top_third=<t> task=<name> target=ci_low>1
-met|missed``.
+ci_low=<l> ci_high=<h> fork_vs_global=<y> top_third=<t> task=<name> model=<name>
+target=ci_low>1 met|missed``; model is ``--model-name``, else ``smollm2`` when the run's
+``model.build`` is, else the model folder's name (the run folder's for ``sft``).
 
     python bench/arpo_premise.py RUN_DIR [--prompts 64] [--k 8] [--roots K] [--model DIR]
-        [--seed 0] [--boot 2000] [--out DIR] [--results FILE] [key=value ...]
+        [--model-name NAME] [--seed 0] [--boot 2000] [--out DIR] [--results FILE]
+        [key=value ...]
 """
 
 from __future__ import annotations
@@ -53,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="global samples whose post-tool states are probed (default K)")
     ap.add_argument("--model", default=None, help="model (default RUN/sft, else the run's "
                     "newest checkpoint)")
+    ap.add_argument("--model-name", default=None, help="name on the RESULT line (default: "
+                    "smollm2 for a run built as smollm2, else the model folder's name)")
     ap.add_argument("--seed", type=int, default=0, help="sampling and bootstrap seed")
     ap.add_argument("--boot", type=int, default=2000, help="bootstrap resamples")
     ap.add_argument("--out", default=None, help="analysis folder (default RUN/analysis)")
@@ -64,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from arpo_async.jobs.analyze import _inputs
-    from arpo_async.jobs.analyze_branching import PROMPTS_FILE, branching_analysis
+    from arpo_async.jobs.analyze_branching import PROMPTS_FILE, branching_analysis, screen_lines
 
     run = Path(args.run_dir)
     sft = run / "sft"
@@ -84,8 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, cell in {**res["corr_by_tool"], **res["corr_by_kind"]}.items():
         print(f"  {name:24} n {cell['n']:4d}  corr(dH, D) {cell['r']:+.3f}  mean P "
               f"{cell['p_mean']:.3f}  mean D {cell['d_mean']:.3f}")
+    print("\n".join(screen_lines(res)))
     task = data.parent.name or cfg.task.name
-    write_results("arpo_premise", {"args": vars(args), "task": task, "wall_s": round(wall, 1),
+    name = args.model_name or model_name(cfg.model.build, cfg.model.path, run)
+    write_results("arpo_premise", {"args": vars(args), "task": task, "model": name,
+                                   "wall_s": round(wall, 1),
                                    "analysis": str(out / "branching.json"), **res},
                   args.results)
     low = res["ci_low"]
@@ -93,8 +105,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"RESULT arpo_premise useful_fork_ratio={res['useful_fork_ratio']:.3f} "
           f"ci_low={low:.3f} ci_high={res['ci_high']:.3f} "
           f"fork_vs_global={res['fork_vs_global']:.3f} top_third={res['top_third_ratio']:.3f} "
-          f"task={task} target=ci_low>1 {met}")
+          f"task={task} model={name} target=ci_low>1 {met}")
     return 0
+
+
+def model_name(build: str, model_path: str, run: Path) -> str:
+    """``smollm2`` for a run that builds it; else the model folder's name, the run's for
+    its ``sft`` folder."""
+    if build == "smollm2":
+        return "smollm2"
+    folder = Path(model_path).resolve()
+    return run.resolve().name if folder.name == "sft" else folder.name
 
 
 if __name__ == "__main__":

@@ -33,14 +33,17 @@ import json
 import math
 import re
 import sys
+import weakref
 from pathlib import Path
 
 import numpy as np
 
 from actors.rollout import GRPOPolicy, Spawn
 from arpo_async.core.config import Config, ConfigError
+from arpo_async.core.entropy import round_entropy
 from arpo_async.core.files import atomic_write_json
 from arpo_async.jobs.premise_stats import correlation_by, discordance, pearson, premise_figures
+from arpo_async.jobs.screen_stats import screen, screen_table, states_from_records
 from toolenv.tasks.data import DataError
 
 PROMPTS_FILE = "branching_prompts.jsonl"
@@ -64,19 +67,61 @@ def result_kind(tool: str | None, args: str, ok: bool | None, text: str) -> str:
     return "ok"
 
 
+class WindowRecorder:
+    """The engine, passed through, keeping each asyncio task's last request length and
+    result: a trajectory is one task, and its branch decision (``tool_round``) follows
+    its round's ``generate`` in that task, so the round read there is its own."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.last: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    async def generate(self, req):
+        res = await self.engine.generate(req)
+        self.last[asyncio.current_task()] = (len(req.prompt_tokens), res)
+        return res
+
+    def round_of(self, context_len: int):
+        """This task's last result if its request's context had ``context_len`` tokens."""
+        got = self.last.get(asyncio.current_task())
+        return got[1] if got and got[0] == context_len else None
+
+
+def window_max_entropy(res, estimator: str, vocab: int, window: int) -> float:
+    """The window's largest single-token entropy, normalised as the rollout normalises:
+    ``round_entropy`` with ``reduce="max"`` (what ``rollout.entropy_reduce=max`` reads);
+    the ``reference`` estimator ignores ``reduce``, so there it is the largest of its
+    per-token values (``round_entropy`` of each token alone). nan: unknown."""
+    if res is None:
+        return math.nan
+    if estimator == "reference":
+        per = [round_entropy([t], [s], [], estimator=estimator, vocab_size=vocab, window=1)
+               for t, s in zip(res.top_logprobs[:window], res.logprobs[:window]) if len(t)]
+        return float(max(per)) if per else math.nan
+    return round_entropy(res.top_logprobs, res.logprobs, res.entropies, estimator=estimator,
+                         vocab_size=vocab, window=window, reduce="max")
+
+
 class ProbePolicy(GRPOPolicy):
     """GRPO sampling of the roots, plus ``forks`` forks at every decision of the first
     ``probed`` roots, whatever P says; the decision metrics (P, dH as the rollout computed
-    them) are kept in ``probed_decisions``, each tool result in ``tool_log`` by
-    (trajectory, length after the result)."""
+    them, the call index, h_max) are kept in ``probed_decisions``, each tool result in
+    ``tool_log`` by (trajectory, length after the result). ``window_max(at)`` gives the
+    decision round's h_max (nan when unknown)."""
 
-    def __init__(self, cfg, rng: np.random.Generator, forks: int, probed: int):
+    def __init__(self, cfg, rng: np.random.Generator, forks: int, probed: int,
+                 window_max=None):
         super().__init__(cfg, rng)
         if self.settings.branching:
             raise ValueError("ProbePolicy needs rollout.mode=grpo: it places the forks itself")
         self.forks, self.probed = forks, probed
+        self.window_max = window_max or (lambda at: math.nan)
         self.probed_decisions: list[dict] = []
         self.tool_log: dict[tuple[int, int], tuple] = {}
+        self.calls_of: dict[int, int] = {}  # tool calls each trajectory ran itself so far
 
     def tool_round(self, tid: int, at: int, h: float, short: bool) -> Spawn:
         forks, metrics = self.planner.after_tool_round(tid, h, short)
@@ -85,7 +130,9 @@ class ProbePolicy(GRPOPolicy):
         s = self.settings
         inherited = self.planner.h_init_of(tid) if s.fork_h_init == "parent" else None
         ids = [self.planner._create(tid, inherited, 0) for _ in range(self.forks)]
-        self.probed_decisions.append({"root": tid, **metrics, "forks": ids})
+        self.probed_decisions.append({"root": tid, **metrics, "forks": ids,
+                                      "call_index": self.calls_of.get(tid, 0),
+                                      "h_max": self.window_max(at)})
         return Spawn(forks=ids)
 
     def finished(self, tid: int) -> list[int]:
@@ -93,6 +140,7 @@ class ProbePolicy(GRPOPolicy):
         return []  # the roots are all the global samples; forks never count against them
 
     def observe_tool(self, tid: int, at: int, call, result) -> None:
+        self.calls_of[tid] = self.calls_of.get(tid, 0) + 1
         self.tool_log[(tid, at)] = (call.name, call.args, result_kind(
             call.name, call.args, result.ok, result.text))
 
@@ -104,18 +152,27 @@ async def probe(cfg: Config, engine, source, tokenizer, tools, rng, prompt, fork
     from actors.rollout import build_rollout
 
     policies = []
+    recorder, r, vocab = WindowRecorder(engine), cfg.rollout, len(tokenizer)
+
+    def window_max(at: int) -> float:
+        res = recorder.round_of(len(prompt.tokens) + at)
+        return window_max_entropy(res, r.entropy_estimator, vocab, r.entropy_window)
 
     def policy(rollout_cfg, rng):
-        policies.append(ProbePolicy(rollout_cfg, rng, forks, probed))
+        policies.append(ProbePolicy(rollout_cfg, rng, forks, probed, window_max))
         return policies[-1]
 
-    group = await build_rollout(cfg, engine, source, tokenizer, tools, rng, policy).run(prompt, 0)
+    group = await build_rollout(cfg, recorder, source, tokenizer, tools, rng, policy).run(
+        prompt, 0)
     return group.leaves, policies[0].probed_decisions, policies[0].tool_log
 
 
 def prompt_record(index: int, prompt_id, leaves: list, decisions: list[dict],
                   tool_log: dict) -> dict:
-    """One prompt's line: the roots' rewards (global samples) and each probed state."""
+    """One prompt's line: the roots' rewards and tool calls (global samples) and each
+    probed state: ``call_index`` is 1-based (the state follows the result of the
+    trajectory's n-th tool call; with parallel calls, the turn's last), ``calls`` per
+    continuation the tool calls it ran after the fork."""
     states = []
     for d in decisions:
         forks = [leaves[i] for i in d["forks"]]
@@ -123,14 +180,19 @@ def prompt_record(index: int, prompt_id, leaves: list, decisions: list[dict],
         tool, args, kind = tool_log.get((d["root"], pos), (None, "", "unknown"))
         skipped = bool(d.get("skipped_short", 0.0))
         known = math.isfinite(d["h_t"]) and math.isfinite(d["h_init"])  # else P used dH = 0
+        n_call = int(d.get("call_index", 0))
         states.append({"root": d["root"], "position": pos, "tool": tool, "args": args,
-                       "kind": kind, "p": 0.0 if skipped else d["p"],
+                       "kind": kind, "call_index": n_call, "h_max": d.get("h_max", math.nan),
+                       "p": 0.0 if skipped else d["p"],
                        "dh": d["dh"] if known and not skipped else math.nan, "h_t": d["h_t"],
                        "h_init": d["h_init"], "skipped_short": skipped,
                        "rewards": [float(f.reward) for f in forks],
+                       "calls": [int(f.tool_calls) - n_call for f in forks],
                        "root_reward": float(leaves[d["root"]].reward)})
+    roots = [x for x in leaves if x.parent == -1]
     return {"index": index, "prompt_id": str(prompt_id),
-            "global": [float(x.reward) for x in leaves if x.parent == -1], "states": states}
+            "global": [float(x.reward) for x in roots],
+            "global_calls": [int(x.tool_calls) for x in roots], "states": states}
 
 
 async def probe_prompts(cfg: Config, engine, source, tokenizer, tools, prompts: list, k: int,
@@ -210,7 +272,29 @@ def summarize(records: list[dict], seed: int = 0, n_boot: int = 2000, level: flo
     r_all, m_all = pearson(dh, d)
     return {**figures, **metrics, **top, "corr_dh_d": r_all, "corr_n": m_all["n"],
             "corr_by_tool": by_tool, "corr_by_kind": by_kind,
-            "skipped_short": sum(r["skipped_short"] for r in rows)}
+            "skipped_short": sum(r["skipped_short"] for r in rows),
+            **rules_screen(records, seed, level)}
+
+
+def rules_screen(records: list[dict], seed: int = 0, level: float = 0.9,
+                 n_perm: int = 2000) -> dict:
+    """Every placement rule on the same probed states (``screen_stats``): ``screen``
+    {rule: figures}, and ``screen_missing``, the fields an older prober did not record."""
+    states, m_states = states_from_records(records)
+    rules, m_screen = screen(states, np.random.default_rng([seed, 31]), n_perm, level)
+    return {"screen": rules, "screen_missing": m_states["missing"],
+            "screen_stratum": m_screen["stratum"]}
+
+
+def screen_lines(res: dict) -> list[str]:
+    """The rules table of a summary, with a note when an older run lacks fields."""
+    lines = ["every rule on the same states (ratio vs random; diff vs arpo; within-prompt "
+             "permutation p; discordance per tool call vs fresh samples):",
+             *screen_table(res["screen"])]
+    if res["screen_missing"]:
+        lines.append(f"  (this run's records lack {', '.join(res['screen_missing'])}: "
+                     "rerun the prober for the rules that need them)")
+    return lines
 
 
 def top_third(clusters: list[tuple], dh_by_cluster: list[list[float]], seed: int,
@@ -258,7 +342,9 @@ def branching_analysis(cfg: Config, data: Path, corpus: Path | None, out: Path, 
     if k < 2 or not 1 <= roots <= k:
         raise ConfigError(f"--k must be >= 2 and --roots in [1, k]; got k={k}, roots={roots}")
     r = cfg.rollout
-    settings = {"model": cfg.model.path, "data": str(data), "k": k, "roots": roots,
+    # version 2: records carry call_index, h_max, calls and global_calls; a file written by
+    # version 1 starts again (its prompts lack what the rules screen needs)
+    settings = {"version": 2, "model": cfg.model.path, "data": str(data), "k": k, "roots": roots,
                 "seed": seed, "alpha": r.alpha, "beta": r.beta, "estimator": r.entropy_estimator,
                 "window": r.entropy_window, "reduce": r.entropy_reduce,
                 "short_round": r.short_round, "temperature": cfg.sampling.temperature}
@@ -309,4 +395,5 @@ def run_command(args, inputs) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {out / 'branching.json'}: {res['finding']}")
+    print("\n".join(screen_lines(res)))
     return 0

@@ -18,11 +18,21 @@ state s of sampled trajectories and hands their rewards here. Definitions:
   chance; above 1, better.
 * **fork_vs_global** = sum_s D_s / sum_s G_prompt(s): post-tool states against K fresh
   samples of the same prompt (G, their discordance), each state paired with its prompt.
-* A **bootstrap** over prompts (the clusters: a prompt's states are not independent),
-  percentile interval, with an injected seeded generator. Every figure above is a ratio of
-  sums, so a prompt enters as one row of sums (``cluster_sums``) and a bootstrap replicate
-  is a sum of resampled rows. With few prompts (a handful) the percentile interval is
-  too narrow: believe it from a few dozen prompts on.
+* **Intervals over prompts** (the clusters: a prompt's states are not independent).
+  Every figure above is a ratio of sums, so a prompt enters as one row of sums
+  (``cluster_sums``). The default interval is **Fieller's** for a ratio of cluster totals
+  (``fieller_ci``): theta0 is inside when the prompt-clustered z statistic of
+  sum_c (u_c - theta0 v_c) is within the normal quantile, u the numerator's and v the
+  denominator's per-prompt contributions (a denominator that is a product or quotient of
+  totals, like mean D * mean P, enters by its linearisation, which sums to it exactly).
+  Why not the percentile bootstrap (``method="percentile"``, kept): where outcomes rarely
+  split (mean D 0.01-0.03: a handful of discordant states among hundreds) its 90%
+  interval covered the truth 0.80 and 0.87 of the time in simulated worlds of 60 prompts
+  and 300 states, Fieller's 0.90 and 0.91 (tests/unit/test_screen_calibration.py). The
+  test statistic is self-normalised, so a few large terms do not break it as they break
+  the bootstrap distribution of a ratio; a denominator not clearly above 0 gives an
+  unbounded interval instead of a falsely narrow one. Believe either from a few dozen
+  prompts on.
 * **Pearson correlation**, overall and by a key (tool, tool-result kind).
 
 Each function returns ``(value, metrics)``; nothing here imports a model, engine or tool.
@@ -32,6 +42,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Sequence
+from statistics import NormalDist
 
 import numpy as np
 
@@ -116,27 +127,70 @@ def bootstrap_ci(rows: np.ndarray, statistic: Callable[[np.ndarray], np.ndarray]
     return (float(lo), float(hi)), metrics
 
 
+def fieller_ci(u: np.ndarray, v: np.ndarray, level: float = 0.9
+               ) -> tuple[tuple[float, float], dict]:
+    """Fieller's interval for theta = sum u / sum v over clusters (per-cluster u, v [C]):
+    every theta0 with (sum u - theta0 sum v)^2 <= z^2 Var(theta0), Var the clustered
+    variance C/(C-1) sum_c (z_c - mean z)^2 of z_c = u_c - theta0 v_c. A quadratic in
+    theta0; when the denominator is not clearly nonzero (leading coefficient <= 0) the
+    set is unbounded: (-inf, inf), ``unbounded`` in the metrics."""
+    u, v = np.asarray(u, np.float64), np.asarray(v, np.float64)
+    c = u.size
+    metrics = {"clusters": c, "level": level, "unbounded": False}
+    if c < 2 or not v.sum():
+        return (math.nan, math.nan), metrics
+    z2 = NormalDist().inv_cdf((1 + level) / 2) ** 2
+    uc, vc, f = u - u.mean(), v - v.mean(), c / (c - 1)
+    s_uu, s_vv, s_uv = f * (uc @ uc), f * (vc @ vc), f * (uc @ vc)
+    su, sv = u.sum(), v.sum()
+    qa, qb, qc = sv * sv - z2 * s_vv, -2 * (su * sv - z2 * s_uv), su * su - z2 * s_uu
+    disc = qb * qb - 4 * qa * qc
+    if qa <= 0 or disc < 0:
+        metrics["unbounded"] = True
+        return (-math.inf, math.inf), metrics
+    root = math.sqrt(disc)
+    return ((-qb - root) / (2 * qa), (-qb + root) / (2 * qa)), metrics
+
+
+def ratio_parts(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The useful-fork ratio sum PD / (sum D * sum P / n) as per-prompt (u, v) for
+    ``fieller_ci``: v linearises the denominator (it sums to it exactly)."""
+    pd, p, d, n = (rows[:, i] for i in range(4))
+    tp, td, tn = p.sum(), d.sum(), n.sum()
+    if not tn:
+        return pd, np.zeros_like(pd)
+    return pd, d * tp / tn + td * p / tn - td * tp * n / tn**2
+
+
 def premise_figures(clusters: Sequence[tuple[Sequence[float], Sequence[float], float]],
-                    rng: np.random.Generator, n_boot: int = 2000, level: float = 0.9
-                    ) -> tuple[dict, dict]:
-    """The ratio and fork_vs_global with their bootstrap intervals over prompts, from one
-    (P per state, D per state, G of the prompt) per prompt."""
+                    rng: np.random.Generator, n_boot: int = 2000, level: float = 0.9,
+                    method: str = "fieller") -> tuple[dict, dict]:
+    """The ratio and fork_vs_global with their intervals over prompts, from one
+    (P per state, D per state, G of the prompt) per prompt. ``method``: ``fieller``
+    (``fieller_ci``; ``rng`` and ``n_boot`` unused) or ``percentile`` (``bootstrap_ci``)."""
+    if method not in ("fieller", "percentile"):
+        raise ValueError(f"premise_figures: method={method!r}; expected fieller|percentile")
     rows = (np.stack([cluster_sums(p, d, g) for p, d, g in clusters]) if clusters
             else np.zeros((0, len(SUMS))))
     total = rows.sum(axis=0)
     ratio = float(ratio_from_sums(total))
     fvg = float(fork_vs_global_from_sums(total))
-    (lo, hi), m_ratio = bootstrap_ci(rows, ratio_from_sums, rng, n_boot, level)
-    (flo, fhi), m_fvg = bootstrap_ci(rows, fork_vs_global_from_sums, rng, n_boot, level)
+    if method == "fieller":
+        (lo, hi), m_ratio = fieller_ci(*ratio_parts(rows), level)
+        (flo, fhi), m_fvg = fieller_ci(rows[:, 2], rows[:, 4], level)
+    else:
+        (lo, hi), m_ratio = bootstrap_ci(rows, ratio_from_sums, rng, n_boot, level)
+        (flo, fhi), m_fvg = bootstrap_ci(rows, fork_vs_global_from_sums, rng, n_boot, level)
     n = total[3]
     figures = {"useful_fork_ratio": ratio, "ci_low": lo, "ci_high": hi,
                "fork_vs_global": fvg, "fvg_ci_low": flo, "fvg_ci_high": fhi}
     metrics = {"prompts": len(clusters), "states": int(n), "level": level,
+               "interval": method,
                "p_mean": total[1] / n if n else math.nan,
                "d_mean": total[2] / n if n else math.nan,
                "d_forked": total[0] / total[1] if total[1] else math.nan,
                "g_mean": total[4] / n if n else math.nan,
-               "ratio_bootstrap": m_ratio, "fvg_bootstrap": m_fvg}
+               "ratio_interval": m_ratio, "fvg_interval": m_fvg}
     return figures, metrics
 
 

@@ -149,10 +149,28 @@ async def test_null_world_covers_one_and_planted_world_exceeds_it(tiny_model_dir
     assert res_null["top_ci_low"] <= 1.0 <= res_null["top_ci_high"], res_null
     assert res_planted["top_ci_low"] > res_planted["ci_low"], res_planted
     for rec in planted:  # every probed state: K continuations, P and dH from the rollout
-        assert len(rec["global"]) == K
+        assert len(rec["global"]) == K and len(rec["global_calls"]) == K
         for s in rec["states"]:
             assert len(s["rewards"]) == K and s["root"] < ROOTS and s["tool"] == "python"
             assert s["p"] == pytest.approx(min(1, max(0, 0.5 + 0.2 * s["dh"])))
+            assert 1 <= s["call_index"] <= 3 and len(s["calls"]) == K
+            assert all(0 <= c <= 3 - s["call_index"] for c in s["calls"])
+            assert 0 <= s["h_max"] <= 1  # one token's normalised entropy
+    # the rules screen on the same states: in the planted world the oracle and ARPO's P
+    # beat random placement; in the null world no entropy rule does. The two worlds differ
+    # only in the entropy drawn after a result (the outcomes are the same), and their class
+    # structure is real (states at the tool-call limit end alike), so ``stratum`` finds
+    # the same thing in both: it must not move with entropy
+    sp, sn = res_planted["screen"], res_null["screen"]
+    print("screen planted", {k: (round(v["ratio"], 3), v["perm_p"]) for k, v in sp.items()})
+    print("screen null", {k: (round(v["ratio"], 3), v["perm_p"]) for k, v in sn.items()})
+    assert res_planted["screen_missing"] == [] and sp["random"]["ratio"] == pytest.approx(1)
+    assert sp["oracle"]["ci_low"] > 1 and sp["arpo"]["ci_low"] > 1
+    assert sp["arpo"]["perm_p"] < 0.01 and sp["max_token"]["perm_p"] < 0.01
+    assert sn["oracle"]["ci_low"] > 1
+    for name in ("arpo", "max_token", "prompt_pq"):
+        assert sn[name]["perm_p"] > 0.05, (name, sn[name])
+    assert sn["stratum"]["ratio"] == pytest.approx(sp["stratum"]["ratio"])
 
 
 async def test_a_rerun_reads_finished_prompts_back(tiny_model_dir, tmp_path):

@@ -21,12 +21,13 @@ PURE = ["arpo_async.core.entropy", "arpo_async.core.architectures", "arpo_async.
         "learner.losses.ppo",
         "actors.branching", "learner.advantages", "learner.losses", "learner.rollout_metrics",
         "arpo_async.core.staleness", "toolenv.tags", "arpo_async.core.protocol.messages",
-        "arpo_async.jobs.null_stats", "arpo_async.jobs.premise_stats", "arpo_async.core.faults"]
+        "arpo_async.jobs.null_stats", "arpo_async.jobs.premise_stats",
+        "arpo_async.jobs.screen_stats", "arpo_async.core.faults"]
 PURE_BLOCKED = ["vllm", "deepspeed", "zmq", "transformers", "msgpack", "pydantic", "yaml",
                 "aiohttp", "diskcache", "safetensors"]
 # Not even torch: the rollout's round entropy is numpy (torch waits inside the one function
 # that takes tensors), and the fault points are stdlib.
-NO_TORCH = ["arpo_async.core.entropy", "arpo_async.core.faults"]
+NO_TORCH = ["arpo_async.core.entropy", "arpo_async.core.faults", "arpo_async.jobs.screen_stats"]
 # protocol may use msgpack (its wire format) but never the transport or engines.
 LIGHT = ["arpo_async.core.protocol"]
 LIGHT_BLOCKED = ["vllm", "deepspeed", "zmq"]
