@@ -21,6 +21,7 @@ from actors.actor import Actor
 from actors.engines import build_engine
 from actors.rollout import build_rollout
 from arpo_async.core.config import load_config
+from arpo_async.core.config.actors import engines_that
 from arpo_async.core.keys import client_keys_for
 from arpo_async.core.protocol import ExitCode
 from arpo_async.core.rundir import record_exit
@@ -85,11 +86,13 @@ def parse_ids(text: str) -> list[int]:
 
 
 async def run_actors(cfg, actor_ids: list[int]) -> None:
-    """Several actors in one process, each the ordinary actor path as a task: only for the
-    simulated engine (throughput experiments with many actors, actors/engines/sim_engine.py)."""
-    if len(actor_ids) > 1 and cfg.actors.engine.type != "simulated":
-        raise ValueError(f"actors.engine is {cfg.actors.engine.type!r}: only simulated actors can "
-                         "share a process")
+    """Several actors in one process, each the ordinary actor path as a task: only for an
+    engine that ``shares_process`` (the simulated engine: throughput experiments with many
+    actors, actors/engines/sim_engine.py)."""
+    if len(actor_ids) > 1 and not cfg.actors.engine.shares_process:
+        raise ValueError(f"actors.engine is {cfg.actors.engine.type!r}: only "
+                         f"{' or '.join(engines_that('shares_process'))} actors can share a "
+                         "process")
     await asyncio.gather(*(run_actor(cfg, i) for i in actor_ids))
 
 

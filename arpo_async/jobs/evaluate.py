@@ -40,6 +40,7 @@ import numpy as np
 from actors.engines import build_engine
 from actors.engines.endpoint_engine import EndpointEngine
 from arpo_async.core.config import Config, ConfigError, config_from_dict, load_config, set_value
+from arpo_async.core.config.actors import engines_that
 from arpo_async.core.files import atomic_write_json, write_jsonl
 from arpo_async.jobs.synthetic import SYSTEM_PROMPT
 from toolenv.retriever_server import RetrieverProcess
@@ -286,7 +287,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--k", type=int, default=4, help="samples per question")
     ap.add_argument("--limit", type=int, default=None, help="first N questions only")
     ap.add_argument("--out", default=None, help="folder for items.jsonl and summary.json")
-    ap.add_argument("--engine", choices=["vllm", "transformers"], default=None)
+    ap.add_argument("--engine", choices=engines_that("evaluates"), default=None,
+                    help="generation engine (default: the config's actors.engine)")
     ap.add_argument("--temperature", type=float, default=None)
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--retriever", default="", help="retriever URL (POST /retrieve)")

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from arpo_async.core.config import Config, ConfigError, total_actors
+from arpo_async.core.config.actors import engines_that
 from arpo_async.core.host import is_loopback
 
 _WILDCARDS = ("0.0.0.0", "*", "::", "")
@@ -180,8 +181,8 @@ def _actor_roles(cfg: Config, config_path: str, python: str) -> list[RoleSpec]:
             "OMP_NUM_THREADS": str(cfg.actors.threads)}
     n = cfg.actors.num
     eng = cfg.actors.engine
-    per = eng.actors_per_process if eng.type == "simulated" else 1
-    if per > 1:  # simulated actors share processes (actors/engines/sim_engine.py); no GPU
+    per = eng.actors_per_process if eng.shares_process else 1
+    if per > 1:  # e.g. simulated actors share processes (actors/engines/sim_engine.py); no GPU
         roles = []
         for first in range(0, n, per):
             ids = f"{first}-{min(first + per, n) - 1}"
@@ -235,9 +236,11 @@ def check_placement(cfg: Config) -> list[str]:
                 raise ConfigError(f"cluster.{key} is set but cluster.device=cpu")
         if any(r.gpus for r in cl.remote_actors):
             raise ConfigError("cluster.remote_actors[].gpus is set but cluster.device=cpu")
-    if cfg.learner.weight_sync.channel == "nccl" and cfg.actors.engine.type != "vllm":
-        raise ConfigError(f"learner.weight_sync.channel=nccl needs actors.engine=vllm "
-                          f"(got {cfg.actors.engine.type})")
+    eng = cfg.actors.engine
+    if cfg.learner.weight_sync.channel == "nccl" and not eng.native_weight_transfer:
+        raise ConfigError("learner.weight_sync.channel=nccl needs actors.engine="
+                          f"{' or '.join(engines_that('native_weight_transfer'))} "
+                          f"(got {eng.type})")
     remote_hosts = [r.host for r in cl.remote_actors]
     if cl.hostfile:
         remote_hosts += list(learner_hosts(cfg))
@@ -247,21 +250,8 @@ def check_placement(cfg: Config) -> list[str]:
                           f"{remote_hosts[0]} cannot reach the learner; bind 0.0.0.0 or this "
                           "machine's address")
     learner = learner_hosts(cfg)
-    if cl.device == "cuda":  # local actors share a machine with rank 0 (see the notes)
-        shared = sorted(set(next(iter(learner.values()))) & set(cl.actor_gpus))
-        if shared and cfg.learner.weight_sync.channel == "nccl":
-            raise ConfigError(f"learner.weight_sync.channel=nccl: GPU {shared[0]} is used by the "
-                              "learner and a local actor, and NCCL cannot connect two ranks "
-                              "on one GPU; give the actors other cluster.actor_gpus or use "
-                              "learner.weight_sync.channel=zmq")
-        if shared and cfg.actors.engine.type == "vllm":
-            share = cfg.actors.engine.gpu_memory_utilization
-            notes.append(f"GPUs {shared} are shared by the learner and local actors: vLLM "
-                         f"takes actors.engine.gpu_memory_utilization={share} of each; leave "
-                         "the learner the rest")
-    if cl.device == "cuda" and cfg.actors.engine.type != "vllm":
-        notes.append(f"actors.engine={cfg.actors.engine.type} does not use the GPU (only the vLLM "
-                     "engine does); its actors compute on the CPU")
+    if cl.device == "cuda":
+        notes += _gpu_notes(cfg, learner)
     if cfg.learner.weight_sync.channel == "nccl":
         notes.append("weights: NCCL to vLLM actors on the learner's machine, ZeroMQ to the "
                      "others (decided at run time by machine identity)")
@@ -280,6 +270,27 @@ def check_placement(cfg: Config) -> list[str]:
         notes.append("every learner machine needs this repository, the Python environment "
                      f"and {cfg.run.dir} at the same paths (a shared filesystem), and "
                      "passwordless ssh from here (DeepSpeed's pdsh launcher)")
+    return notes
+
+
+def _gpu_notes(cfg: Config, learner: dict[str, list[int]]) -> list[str]:
+    """cluster.device=cuda: local actors share a machine with rank 0. Raise ConfigError
+    for a GPU NCCL would need twice; say what the engine makes of the GPUs."""
+    eng, notes = cfg.actors.engine, []
+    shared = sorted(set(next(iter(learner.values()))) & set(cfg.cluster.actor_gpus))
+    if shared and cfg.learner.weight_sync.channel == "nccl":
+        raise ConfigError(f"learner.weight_sync.channel=nccl: GPU {shared[0]} is used by the "
+                          "learner and a local actor, and NCCL cannot connect two ranks "
+                          "on one GPU; give the actors other cluster.actor_gpus or use "
+                          "learner.weight_sync.channel=zmq")
+    if shared and eng.uses_gpu:
+        notes.append(f"GPUs {shared} are shared by the learner and local actors: the "
+                     f"{eng.type} engine takes actors.engine.gpu_memory_utilization="
+                     f"{eng.gpu_memory_utilization} of each; leave the learner the rest")
+    if not eng.uses_gpu:
+        notes.append(f"actors.engine={eng.type} does not use the GPU (only the "
+                     f"{'/'.join(engines_that('uses_gpu'))} engine does); its actors compute "
+                     "on the CPU")
     return notes
 
 

@@ -32,6 +32,7 @@ from arpo_async.core.config.actors import (
     StratifiedRollout,
     TransformersEngine,
     VllmEngine,
+    engines_that,
 )
 from arpo_async.core.config.base import ConfigError, _Section
 from arpo_async.core.config.cluster import ClusterConfig, RemoteActorsConfig, TransportConfig
@@ -178,17 +179,18 @@ class Config(_Section):
                              f"{self.sampling.logprobs_topk}")
         if ro.initial_samples > ro.group_size:
             raise ValueError("rollout.initial_samples must be <= rollout.group_size")
-        if self.tools.syntax != "arpo" and self.actors.engine.type == "simulated":
-            raise ValueError(f"tools.syntax={self.tools.syntax}: the simulated engine writes "
-                             "ARPO tags only "
-                             "(actors.engine=simulated); use tools.syntax=arpo with it")
+        eng = self.actors.engine
+        if self.tools.syntax != "arpo" and eng.arpo_tags_only:
+            raise ValueError(f"tools.syntax={self.tools.syntax}: the {eng.type} engine writes "
+                             f"ARPO tags only (actors.engine={eng.type}); use tools.syntax=arpo "
+                             "with it")
         if self.tools.parallel_calls > 1 and self.tools.syntax == "arpo":
             raise ValueError("tools.parallel_calls > 1 needs a templated tools.syntax (hermes, "
                              "auto or a vLLM parser's name): ARPO's tags make one call a round")
-        if self.actors.update_mode == "keep" and self.actors.engine.type != "vllm":
+        if self.actors.update_mode == "keep" and not eng.keeps_kv_cache:
             raise ValueError("actors.update_mode=keep freezes requests with their KV cache "
-                             f"(vLLM only); actors.engine={self.actors.engine.type} takes drain or "
-                             "interrupt")
+                             f"({'/'.join(engines_that('keeps_kv_cache'))} only); "
+                             f"actors.engine={eng.type} takes drain or interrupt")
         return self
 
 

