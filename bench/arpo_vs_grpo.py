@@ -271,6 +271,8 @@ def row_from_folder(run_dir: Path, arm: str, seed: int) -> dict:
            "p_mean": rl.get("branch_p_mean_mean"), "steps": rl.get("steps"),
            "rl_wall_s": rl.get("rl_wall_s"), "alpha": cfg.rollout.alpha,
            "nonzero_var_share": (rl.get("nonzero_var") or {}).get("share"),
+           # an arm its wall-time cap stopped before its tool-call budget is not at equal cost
+           "budget_reached": (rl.get("tool_calls") or 0) >= cfg.run.tool_call_budget,
            "beta": cfg.rollout.beta, "estimator": cfg.rollout.entropy_estimator,
            "run_dir": str(run_dir),
            **(json.loads(timing_path.read_text()) if timing_path.is_file() else {})}
@@ -515,7 +517,16 @@ def _cell(s: dict, figure: str, digits: int = 3) -> str:
     return f"{s[figure][0]:.{digits}f} ± {s[figure][1]:.{digits}f}"
 
 
-def report(summary: dict, pairs: dict, sft: dict, null: dict | None, args) -> None:
+def capped_lines(rows: list[dict]) -> list[str]:
+    """A warning for each arm its wall-time cap (``--max-s``) stopped before its tool-call
+    budget: its figures are not at equal cost (issue 53 item 5)."""
+    return [f"WARNING {r['arm']} seed {r['seed']}: stopped by --max-s at {r.get('tool_calls')} "
+            "executed tool calls, before its budget: not at equal cost"
+            for r in rows if r.get("budget_reached") is False]
+
+
+def report(summary: dict, pairs: dict, sft: dict, null: dict | None, args,
+           rows: list[dict] = ()) -> None:
     print(f"\nheld-out after SFT: pass@1 {sft['pass@1']}, recovery {sft['recovery']:.3f}; RL "
           f"budget {args.tool_calls} executed tool calls per arm; {args.eval_limit} prompts x "
           f"{args.eval_k}; calls to +5: (seeds that reached it / seeds; the others count "
@@ -528,6 +539,8 @@ def report(summary: dict, pairs: dict, sft: dict, null: dict | None, args) -> No
               f"{_cell(s, 'recovery'):>15} {calls:>19} "
               f"{_cell(s, 'executed_per_leaf'):>15} {_cell(s, 'fork_rate'):>15} "
               f"{s['steps'][0]:>7.1f}")
+    for line in capped_lines(rows):
+        print(line)
     for figure, table in pairs.items():
         for name, p in table.items():
             diffs = ", ".join(f"{d:+.3f}" for d in p["diffs"])
@@ -628,7 +641,7 @@ def main() -> int:
     add_calls_to_target(rows, sft_figures["pass@1"], args.target_gain, args.tool_calls)
     summary = summarize(rows)
     pairs = {f: paired(rows, f) for f in ("accuracy", "recovery", "pass@k")}
-    report(summary, pairs, sft_figures, null, args)
+    report(summary, pairs, sft_figures, null, args, rows)
     png = plot(summary, sft_figures["pass@1"], Path(args.results).with_suffix(".png"))
     bands = curve_bands(rows, sft_figures["pass@1"], args.curve_every) if args.curve_every else {}
     if bands:

@@ -62,3 +62,13 @@ def test_the_arms_of_an_aepo_base_config_switch_mode_too(bench, tmp_path: Path):
     for arm, cls in (("grpo", GrpoRollout), ("random", ArpoRollout), ("aepo", AepoRollout)):
         cfg = bench.arm_config(base, arm, 1, args, tmp_path, random_alpha=0.4)
         assert type(cfg.rollout) is cls and cfg.rollout.group_size == base.rollout.group_size
+
+
+def test_an_arm_stopped_by_its_wall_time_cap_is_flagged():
+    from arpo_vs_grpo import capped_lines
+
+    rows = [{"arm": "arpo", "seed": 0, "tool_calls": 2500, "budget_reached": True},
+            {"arm": "grpo", "seed": 1, "tool_calls": 1800, "budget_reached": False},
+            {"arm": "old", "seed": 0}]  # a row from before the flag: not judged
+    assert capped_lines(rows) == ["WARNING grpo seed 1: stopped by --max-s at 1800 executed "
+                                  "tool calls, before its budget: not at equal cost"]
