@@ -253,7 +253,10 @@ def run(args, cfg: Config | None = None) -> int:
     """The whole job; returns the exit code (the summary is printed and saved). ``cfg``:
     ``args``' config already read (by the entry point), else it is read here."""
     cfg, run_dir = _user_config(args, cfg)
-    check_tools(cfg)  # tools.custom: before anything is built
+    # the launcher's checks of a run that cannot train or cannot bind safely, and the custom
+    # tools: in seconds, before the data, SFT and the first evaluation, not at the RL stage
+    checked(cfg)
+    check_tools(cfg)
     quiet = bool(args.quiet)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / USER_CONFIG)

@@ -288,3 +288,19 @@ def test_an_override_of_a_tag_keeps_the_keys_the_new_member_has():
     imp = load_config(SPINE_CONFIG, ["learner.loss.importance=off",
                                      "learner.loss.importance.mode=truncate"])
     assert imp.learner.loss.importance.mode == "truncate"
+
+
+@pytest.mark.parametrize("bad", [["rollout.group_size=1", "rollout.initial_samples=1"],
+                                 ["transport.host=0.0.0.0"]])
+def test_the_pipeline_refuses_before_its_data_stage(tmp_path, capsys, bad):
+    """The default job (pipeline.enabled) asks the launcher's checks before it builds the
+    suite, the model or SFT: a run that cannot train, or cannot bind safely, stops in
+    seconds with nothing made."""
+    from arpo_async.launch import main
+
+    run_dir, data_dir = tmp_path / "run", tmp_path / "data"
+    code = main(["--quiet", f"run.dir={run_dir}", f"pipeline.data_dir={data_dir}",
+                 f"task.data={data_dir}/rl.jsonl", f"model.path={tmp_path / 'model'}", *bad])
+    err = capsys.readouterr().err
+    assert code == 2 and bad[0].split("=")[0] in err, err
+    assert not data_dir.exists() and not (tmp_path / "model").exists()  # no stage ran
