@@ -91,7 +91,8 @@ def write_checkpoint(cfg, trainer, rank: int, world: int, step: int, state: dict
     return time.perf_counter() - t0
 
 
-def metrics_row(service, step: int, groups: list, stats: dict, train: dict) -> dict:
+def metrics_row(service, step: int, groups: list, stats: dict, train: dict,
+                declared: dict[str, str] | None = None) -> dict:
     """The metrics.jsonl line of a step (timings are added by the loop)."""
     snap = service.snapshot()
     lags = [step - 1 - g.min_version() for g in groups]
@@ -102,7 +103,7 @@ def metrics_row(service, step: int, groups: list, stats: dict, train: dict) -> d
             "staleness_max": max(lags), "staleness_mean": sum(lags) / len(lags),
             "dropped_stale": snap["dropped_stale"], "actors_alive": service.actors_alive(),
             "tool_calls": sum(g.tool_calls_executed for g in groups),
-            **rollout_metrics(groups), **variance_metrics(groups), **train,
+            **rollout_metrics(groups, declared), **variance_metrics(groups), **train,
             "service": snap}
 
 
@@ -251,7 +252,8 @@ class LearnerLoop:
         if self.service is None:
             return
         atomic_write_json(self.run_dir / RUN_STATE, self.state, sort_keys=True)
-        self.writer.write(metrics_row(self.service, self.step, groups, stats, train) | {
+        self.writer.write(metrics_row(self.service, self.step, groups, stats, train,
+                                      self.cfg.rollout.STATS) | {
             "wall_time": time.time() - self.t_start, **timings,
             "learner_restarts": self.restarts})
 

@@ -21,9 +21,15 @@ KEYS = ("branch/p_mean", "branch/p_std", "branch/p_min", "branch/p_max", "branch
         "rollout/context_full", "rollout/resumed_tokens")
 
 
-def rollout_metrics(groups: list) -> dict[str, float]:
+def rollout_metrics(groups: list, declared: dict[str, str] | None = None) -> dict[str, float]:
     """The step's ``branch/*``, ``tools/executed_per_leaf``, ``rollout/context_full`` and
-    ``rollout/resumed_tokens`` figures."""
+    ``rollout/resumed_tokens`` figures; with ``declared`` (the rollout mode's ``STATS``,
+    arpo_async/core/config/actors.py), every other figure its policy reports, reduced as
+    declared (``reduce_stats``)."""
+    return _fixed(groups) | (reduce_stats(groups, declared) if declared else {})
+
+
+def _fixed(groups: list) -> dict[str, float]:
     def total(key: str) -> float:
         return float(sum(g.stats.get(f"branch/{key}", 0.0) for g in groups))
 
@@ -80,3 +86,40 @@ def variance_metrics(groups: list) -> dict[str, float]:
     out["groups/nonzero_var_share"] = varied / len(groups) if groups else 0.0
     return out
 
+
+def _declared_op(key: str, declared: dict[str, str]) -> str | None:
+    if key in declared:
+        return declared[key]
+    for pattern, op in declared.items():
+        if pattern.endswith("/*") and key.startswith(pattern[:-1]):
+            return op
+    return None
+
+
+_REDUCE = {"sum": sum, "min": min, "max": max,
+           "mean": lambda values: sum(values) / len(values)}
+
+
+def reduce_stats(groups: list, declared: dict[str, str]) -> dict[str, float]:
+    """``branch/<key>`` for every figure the step's groups report that ``rollout_metrics``
+    does not derive itself, reduced over the groups that report it by the op the policy
+    declared (sum, min, max, mean; "derived": left to ``rollout_metrics``); and
+    ``branch/undeclared``, the number of keys no declaration covers (not reduced: a
+    policy's new figure must say how it adds up)."""
+    values: dict[str, list[float]] = {}
+    for g in groups:
+        for key, value in g.stats.items():
+            if key.startswith("branch/"):
+                values.setdefault(key.removeprefix("branch/"), []).append(float(value))
+    fixed = set(KEYS)
+    out: dict[str, float] = {}
+    undeclared = 0
+    for key, vals in values.items():
+        op = _declared_op(key, declared)
+        if op is None:
+            undeclared += 1
+        elif op in _REDUCE and f"branch/{key}" not in fixed:
+            out[f"branch/{key}"] = float(_REDUCE[op](vals))
+    if undeclared:
+        out["branch/undeclared"] = float(undeclared)
+    return out

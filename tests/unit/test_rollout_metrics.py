@@ -84,3 +84,41 @@ def test_nonzero_variance_share_by_kind():
     assert (s["first_tenth"], s["last_tenth"]) == (0.4, 1.0)
     assert s["by_kind"] == {"-": 0.0, "arith": round(37 / 38, 4), "lookup": 0.5}
     assert variance_summary([{"groups": 4}])["share"] is None  # a run from before the metric
+
+
+def test_each_policy_declares_how_its_figures_add_up():
+    """AEPO's budget split (``aepo_m``) arrives as the mean over the step's groups; a figure
+    no declaration covers is counted, not added up by guess; ARPO's own are unchanged."""
+    from arpo_async.core.config.actors import AepoRollout, ArpoRollout
+
+    def g(**stats):
+        return _group(stats, leaves=4, executed=1)
+
+    a = g(tool_rounds=1, p_sum=0.6, p_sq_sum=0.36, p_min=0.6, p_max=0.6, aepo_m=3,
+          blocked_by_budget=1, new_figure=7)
+    b = g(tool_rounds=1, p_sum=0.4, p_sq_sum=0.16, p_min=0.4, p_max=0.4, aepo_m=5,
+          blocked_by_budget=2)
+    m = rollout_metrics([a, b], AepoRollout.STATS)
+    assert m["branch/aepo_m"] == 4.0 and m["branch/blocked_by_budget"] == 3.0
+    assert m["branch/undeclared"] == 1.0  # new_figure
+    assert m["branch/p_mean"] == pytest.approx(0.5) and m["branch/p_min"] == 0.4
+    assert {k: v for k, v in m.items() if k in KEYS} == rollout_metrics([a, b])
+    # under ARPO's declaration aepo_m is undeclared too
+    assert rollout_metrics([a, b], ArpoRollout.STATS)["branch/undeclared"] == 2.0
+
+
+def test_every_figure_a_real_planner_reports_is_declared():
+    from arpo_async.core.config.actors import ROLLOUT_MODES
+
+    settings = BranchSettings(group_size=8, initial_samples=2, alpha=0.5, beta=0.2)
+    planner = BranchPlanner(settings, np.random.default_rng(0))
+    ids = planner.start()
+    for tid in ids:
+        planner.record_initial_entropy(tid, 3.0)
+    planner.after_tool_round(ids[0], 4.0)
+    stats = {**planner.stats(), "stratum/search/1/n": 1.0, "stratum/search/1/p_sum": 0.7,
+             "aepo_m": 4.0}
+    for mode, cls in ROLLOUT_MODES.items():
+        report = stats if mode == "aepo" else {k: v for k, v in stats.items() if k != "aepo_m"}
+        m = rollout_metrics([_group(report, leaves=2, executed=1)], cls.STATS)
+        assert "branch/undeclared" not in m, mode

@@ -273,6 +273,19 @@ class _Rollout(_Section):
     branch_seed: int = Field(
         1000, description="actor i's branching generator is seeded with [run.seed, branch_seed + i]"
         " (apart from its engine's sampling seed, run.seed + i)")
+
+    # How the learner adds up what this mode's group policy reports in a group's stats
+    # (``branch/<key>``, learner/rollout_metrics.py ``reduce_stats``): "sum", "min", "max" or
+    # "mean" (over the groups that report it); a key ending in "/*" covers every key under
+    # it. A policy that reports a new figure declares it here, or the learner counts it
+    # under ``branch/undeclared``.
+    STATS: ClassVar[dict[str, str]] = {
+        **{k: "sum" for k in ("global_samples", "fills", "forks", "tool_rounds",
+                              "branch_events", "blocked_by_budget", "entropy_missing",
+                              "p_outside_band", "skipped_short", "leaves", "p_sum",
+                              "p_sq_sum", "dh_sum")},
+        "p_min": "min", "p_max": "max", "p_mean": "derived", "dh_mean": "derived",
+        "stratum/*": "sum"}
     @model_validator(mode="after")
     def _reference_sums(self) -> "_Rollout":
         if self.entropy_estimator == "reference" and self.entropy_reduce != "sum":
@@ -293,6 +306,7 @@ class AepoRollout(_Rollout):
     """AEPO (arXiv 2510.14545): ARPO's keys and its own."""
 
     mode: Literal["aepo"] = Field("aepo", description=_MODE)
+    STATS: ClassVar[dict[str, str]] = {**_Rollout.STATS, "aepo_m": "mean"}
     aepo_dynamic_budget: bool = Field(True, description="AEPO: entropy-balanced budget split")
     aepo_budget_beta: float = Field(0.5, description="AEPO: sigmoid slope of the budget split "
                                     "(the authors' 0.5)")
