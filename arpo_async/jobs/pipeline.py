@@ -91,11 +91,18 @@ def build_data(cfg: Config) -> dict:
     if cfg.task.name == "file" and Path(cfg.task.data).resolve().parent != out.resolve():
         raise ConfigError(f"task.data: {cfg.task.data} is not the RL split of pipeline.data_dir "
                           f"({out}/rl.jsonl)")
-    spec = SuiteSpec(seed=cfg.task.seed, entities=p.suite_entities, sft=p.suite_sft,
-                     rl=p.suite_rl, heldout=p.suite_heldout, topk=cfg.tools.search.topk,
-                     snippet_chars=cfg.tools.search.snippet_chars, direct=p.suite_direct,
-                     search_noise=p.suite_noise, python_slips=p.suite_slips,
-                     recover=p.suite_recover, search_noise_note=p.suite_noise_note)
+    h = p.suite_hard  # its dials only when on: the default suite's spec stays as it was
+    dials = dict(hard=True, mix=dict(h.mix), namesakes=h.namesakes) if h.enabled else {}
+    try:
+        spec = SuiteSpec(seed=cfg.task.seed, entities=p.suite_entities, sft=p.suite_sft,
+                         rl=p.suite_rl, heldout=p.suite_heldout, topk=cfg.tools.search.topk,
+                         snippet_chars=cfg.tools.search.snippet_chars, direct=p.suite_direct,
+                         search_noise=p.suite_noise, python_slips=p.suite_slips,
+                         recover=p.suite_recover, search_noise_note=p.suite_noise_note,
+                         **dials)
+    except ValueError as exc:  # the harder suite's dials against tools.search.topk
+        raise ConfigError(f"pipeline.suite_hard with tools.search.topk="
+                          f"{cfg.tools.search.topk}: {exc}") from None
     meta_path = out / "meta.json"
     if meta_path.exists():
         meta = json.loads(meta_path.read_text())

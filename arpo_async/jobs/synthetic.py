@@ -7,10 +7,16 @@ formatted by ``toolenv.search.format_passages`` exactly as ``SearchTool`` shows 
 server's reply. A trace is stored as segments (model text / tool text) so SFT can mask
 the tool segments.
 
+A search's fact is read from the result's document titled with the entity asked (with
+``topk`` above 1 it may be another than the first: the harder suite's namesakes, which
+BM25 ranks first for about half their queries); a chain's next query names the entity
+the previous search found.
+
 CLI: ``python -m arpo_async.jobs.synthetic OUT_DIR [--seed 0 --entities 600 --sft 3000
 --rl 2000 --heldout 300 --topk 1 --snippet-chars 160 --direct 0]`` writes corpus.jsonl,
 sft.jsonl, rl.jsonl, heldout.jsonl and meta.json (the tool settings evaluation and RL
-must use).
+must use); ``--hard [--mix chain=2,word=2,... --namesakes 0.3]`` writes the harder suite
+(toolenv/tasks/hard.py).
 """
 
 
@@ -31,6 +37,7 @@ from toolenv.python_tool import PythonTool
 from toolenv.retriever_server import BM25Index
 from toolenv.search import format_passages, split_contents
 from toolenv.tags import format_result
+from toolenv.tasks import hard
 from toolenv.tasks.suite import (
     SPLITS,
     SYSTEM_PROMPT,
@@ -126,26 +133,48 @@ class _Trace:
         return output
 
 
+def _titled(output: str, name: str) -> str | None:
+    """The line of a search result whose document is titled ``name`` (None: none is)."""
+    return next((line for line in output.splitlines()
+                 if re.match(rf"Doc \d+\(Title: {re.escape(name)}\)", line)), None)
+
+
+def _fact(line: str, numeric: bool) -> int | str | None:
+    """The fact a result line ends with: its last number, or (not ``numeric``) a relation's
+    entity name ("... is Kos Havi.")."""
+    if numeric:
+        numbers = re.findall(r"\d+", line)
+        return int(numbers[-1]) if numbers else None
+    _, sep, tail = line.rpartition(" is ")
+    return tail.rstrip(".") if sep and tail.rstrip(".") else None
+
+
 async def _search(trace: _Trace, task: Task, i: int, demo: Demonstrator | None,
-                  counts: dict) -> int:
-    """The i-th search of ``task`` (and its checks); returns the number it found."""
-    name, value = task.found[i]
+                  counts: dict, values: list) -> int | str:
+    """The i-th search of ``task`` (and its checks); returns the fact it found."""
+    name, expected = task.found[i]
+    numeric, value = not isinstance(expected, str), expected
     queries = [[a for t, a in task.calls if t == "search"][i],
                *(task.rephrase[i] if task.rephrase else [])]
+    if i and isinstance(task.found[i - 1][1], str) and values[-1] != task.found[i - 1][1]:
+        # a chain after a wrong hop: search the entity that hop named, take what it says
+        queries = [q.replace(task.found[i - 1][1], str(values[-1])) for q in queries]
+        name, value = str(values[-1]), None
     for n, query in enumerate(queries):
         output = await trace.call("search", query)
-        if output.startswith(f"Doc 1(Title: {name})"):
-            if not output.endswith(f" {value}."):
+        line = _titled(output, name)
+        if line is not None:
+            if value is not None and not line.endswith(f" {value}."):
                 raise RuntimeError(f"{task.id}: search {query!r} did not return its fact first")
-            return value
-        if demo is None:  # the clean suite: every reply names its entity
+            return value if value is not None else _fact(line, numeric)
+        if demo is None:  # the clean suite: every reply shows its entity
             raise RuntimeError(f"{task.id}: search {query!r} did not return its fact first")
         counts["wrong_results"] += 1
         if n == len(queries) - 1 or not demo.checks():
             break
         counts["checks"] += 1
-    found = re.findall(r"\d+", output)
-    return int(found[-1]) if found else value
+    found = _fact((output.splitlines() or [""])[0], numeric)  # unchecked: the first document's
+    return expected if found is None else found
 
 
 async def _tool_segments(task: Task, tools: RealTools, demo: Demonstrator | None,
@@ -155,7 +184,7 @@ async def _tool_segments(task: Task, tools: RealTools, demo: Demonstrator | None
     values, output = [], ""
     for tool, args in task.calls:
         if tool == "search":
-            values.append(await _search(trace, task, len(values), demo, counts))
+            values.append(await _search(trace, task, len(values), demo, counts, values))
             output = str(values[-1])
             continue
         code = with_operands(args, values) if values else args
@@ -204,9 +233,9 @@ def write_suite(out_dir: str | Path, spec: SuiteSpec = SuiteSpec(), concurrency:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    docs = corpus_rows(make_entities(spec))
+    docs = corpus_rows((hard.make_entities if spec.hard else make_entities)(spec))
     write_jsonl(out / "corpus.jsonl", docs)
-    tasks = {s: make_tasks(spec, s) for s in SPLITS}
+    tasks = {s: (hard.make_tasks if spec.hard else make_tasks)(spec, s) for s in SPLITS}
     for split in ("rl", "heldout"):
         write_jsonl(out / f"{split}.jsonl", [t.row() for t in tasks[split]])
     t1 = time.perf_counter()
@@ -239,6 +268,15 @@ def chat_texts(traces: list[dict]) -> list[str]:
             f"<|im_end|>\n<|im_start|>assistant\n{t['response']}<|im_end|>\n" for t in traces]
 
 
+def parse_mix(text: str) -> dict[str, float]:
+    """``"chain=2,word=1"`` -> ``{"chain": 2.0, "word": 1.0}``."""
+    try:
+        pairs = [item.split("=") for item in text.split(",") if item.strip()]
+        return {k.strip(): float(v) for k, v in pairs}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not kind=weight,kind=weight") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Write the synthetic tool-use task suite.")
     ap.add_argument("out_dir")
@@ -255,9 +293,20 @@ def main(argv: list[str] | None = None) -> None:
                     help="share of SFT snippets with a slipped operand")
     ap.add_argument("--recover", type=float, default=d.recover,
                     help="share of SFT traces that check a wrong result")
+    ap.add_argument("--hard", action="store_true",
+                    help="the harder suite (toolenv/tasks/hard.py; needs --topk 2 with namesakes)")
+    ap.add_argument("--mix", type=parse_mix, default=d.mix,
+                    help="harder suite: relative share per kind, e.g. chain=3,arith=1 (a kind "
+                    "not given keeps its share in toolenv.tasks.suite.HARD_MIX, 0 drops it)")
+    ap.add_argument("--namesakes", type=float, default=d.namesakes,
+                    help="harder suite: share of entities with a near-namesake")
     ap.add_argument("--concurrency", type=int, default=8, help="sandboxed Python runs at once")
     args = ap.parse_args(argv)
-    spec = SuiteSpec(**{k: getattr(args, k) for k in asdict(d)})
+    args.mix = {**d.mix, **args.mix}
+    try:
+        spec = SuiteSpec(**{k: getattr(args, k) for k in asdict(d)})
+    except ValueError as exc:
+        ap.error(str(exc))
     meta = write_suite(args.out_dir, spec, args.concurrency)
     print(json.dumps(meta["counts"]), json.dumps(meta["timings_s"]))
 

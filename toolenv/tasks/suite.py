@@ -30,6 +30,10 @@ says so ("No exact match."), as search engines do: the tiny model cannot compare
 reply's entity name with the question's, so without the note it re-searches at random
 (the recover suite of bench/README.md, where the post-tool choice decides the reward).
 
+The harder suite (``SuiteSpec.hard``, ``pipeline.suite_hard``; toolenv/tasks/hard.py) adds
+chains of look-ups, word problems, comparisons and near-namesakes that BM25 cannot tell
+apart, in a mix of kinds and a share of namesakes that are dials (``mix``, ``namesakes``).
+
 The files of a suite (corpus, SFT traces built with the real tools, the splits) are
 written by ``python -m arpo_async.jobs.synthetic`` (arpo_async/jobs/synthetic.py).
 """
@@ -49,6 +53,13 @@ SYSTEM_PROMPT = (
     "documents; results come in <result></result>. End with <answer>\\boxed{}</answer>."
 )
 KINDS = ("arith", "lookup", "combo")
+# the harder suite's own kinds (toolenv/tasks/hard.py): a look-up through the writer's
+# birthplace (2 hops) or through their teacher's (3 hops), a word problem, a comparison
+HARD_KINDS = ("chain", "chain3", "word", "check")
+ALL_KINDS = KINDS + HARD_KINDS
+# the harder suite's starting mix (relative shares; docs/design.md "The harder suite")
+HARD_MIX = {"arith": 0.0, "lookup": 1.0, "combo": 1.0, "chain": 2.0, "chain3": 1.0,
+            "word": 2.0, "check": 2.0}
 SPLITS = ("sft", "rl", "heldout")
 ENTITY_SHARE = {"sft": 0.5, "rl": 0.25, "heldout": 0.25}  # fraction of entities per split
 PAIR_BUCKETS = {"sft": range(0, 6), "rl": range(6, 7), "heldout": range(7, 8)}  # of 8
@@ -72,12 +83,19 @@ _FACT_SENTENCE = {
     "population": "Its population is {}.", "founded": "Its founding year is {}.",
     "elevation": "Its elevation in metres is {}.", "born": "The birth year of the writer is {}.",
     "books": "The number of books by the writer is {}.",
+    # the harder suite's relations: the value is another entity's name
+    "birthplace": "The birthplace of the writer is {}.",
+    "teacher": "The teacher of the writer is {}.",
 }
 _INTRO = {"city": "{} is a city.", "person": "{} is a writer."}
 # A look-up's thought restates what it searches for: one more copy of the name to
 # practise, from which the query is then copied at a fixed distance.
 THINK = {"arith": "Compute it with python.", "lookup": "Search for {}.",
-         "combo": "Search both facts, then compute."}
+         "combo": "Search both facts, then compute.",
+         "chain": "Search where the writer was born, then that city.",
+         "chain3": "Search the teacher, where the teacher was born, then that city.",
+         "word": "Write it as one python expression.",
+         "check": "Search both facts, then compute the larger minus the smaller."}
 THINK_DIRECT = "Answer from memory."
 _ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr",
            "kr", "tr", "th", "sh", "qu", "h"]
@@ -106,6 +124,27 @@ class SuiteSpec:
     # text the retriever puts before a wrong reply's documents ('': none, the wrong reply
     # looks like a right one): a wrong result the model can see (the recover suite)
     search_noise_note: str = ""
+    # The harder suite (toolenv/tasks/hard.py): off, the suite above, byte for byte.
+    hard: bool = False
+    # relative share of each task kind (ALL_KINDS; a kind left out or at 0 is not asked)
+    mix: dict = field(default_factory=lambda: dict(HARD_MIX))
+    # share of entities given a near-namesake ("Vel Bira", "Vel T. Bira"): BM25 ties the
+    # two, so its top result is the other one for about half their queries (needs topk >= 2)
+    namesakes: float = 0.3
+
+    def __post_init__(self):
+        if not self.hard:
+            return
+        unknown = sorted(set(self.mix) - set(ALL_KINDS))
+        if unknown or any(w < 0 for w in self.mix.values()) or sum(self.mix.values()) <= 0:
+            raise ValueError(f"mix {self.mix}: weights >= 0 of {ALL_KINDS}, not all 0"
+                             + (f" (unknown: {unknown})" if unknown else ""))
+        if not 0.0 <= self.namesakes <= 1.0:
+            raise ValueError(f"namesakes {self.namesakes}: a share in [0, 1]")
+        if self.namesakes > 0 and self.topk < 2:
+            raise ValueError(f"namesakes {self.namesakes} with topk {self.topk}: BM25 ties a "
+                             "name and its namesake, so the right document is only sure to be "
+                             "shown with topk >= 2 (or set namesakes to 0)")
 
     def count(self, split: str) -> int:
         return {"sft": self.sft, "rl": self.rl, "heldout": self.heldout}[split]
@@ -115,7 +154,7 @@ class SuiteSpec:
 class Entity:
     name: str
     type: str  # "city" | "person"
-    facts: dict[str, int]
+    facts: dict[str, int | str]  # a relation's value (the harder suite) is a name
     split: str
 
     def documents(self) -> list[dict]:
@@ -134,7 +173,7 @@ class Task:
     question: str
     answer: str
     calls: list[tuple[str, str]]  # (tool, args) in the order the trace makes them
-    found: list[tuple[str, int]] = field(default_factory=list)  # (entity, value) per search
+    found: list[tuple[str, int | str]] = field(default_factory=list)  # (entity, value) per search
     # per search call, other phrasings of its query (tried after a wrong-entity reply)
     rephrase: list[list[str]] = field(default_factory=list)
 
@@ -210,6 +249,7 @@ def _names(rng: np.random.Generator, n: int) -> list[str]:
 
 def make_entities(spec: SuiteSpec) -> list[Entity]:
     """All entities of the suite, each assigned to one split (depends on seed and count)."""
+    _not_hard(spec, "make_entities")
     rng = np.random.default_rng([spec.seed, 0])
     n_city = (2 * spec.entities) // 3
     names = _names(rng, spec.entities)
@@ -255,7 +295,7 @@ def _arith(rng: np.random.Generator, split: str, seen: set) -> tuple[str, str, s
             return f"What is {a} {op} {b}?", f"print({a}{op}{b})", str(value)
 
 
-def _query(phrase: str, name: str) -> str:
+def search_query(phrase: str, name: str) -> str:
     return phrase.format(name).removeprefix("the ")
 
 
@@ -302,51 +342,80 @@ def _pick_attr(rng: np.random.Generator) -> tuple[str, tuple]:
     return name, ATTRS[name]
 
 
+def _not_hard(spec: SuiteSpec, name: str) -> None:
+    if spec.hard:
+        raise ValueError(f"{name}: the harder suite's is toolenv.tasks.hard.{name}")
+
+
+def split_pools(entities: list[Entity], split: str) -> dict[str, list[Entity]]:
+    """The split's entities by type; refuses a split with fewer than 2 of a type."""
+    pool: dict[str, list[Entity]] = {"city": [], "person": []}
+    for e in entities:
+        if e.split == split:
+            pool[e.type].append(e)
+    if min(len(p) for p in pool.values()) < 2:
+        raise ValueError(f"split {split}: too few entities (entities={len(entities)})")
+    return pool
+
+
+def lookup_task(rng: np.random.Generator, tid: str, split: str,
+                pool: dict[str, list[Entity]]) -> Task:
+    """One fact of one entity (``lookup``)."""
+    attr, (etype, phrase, _) = _pick_attr(rng)
+    ents = pool[etype]
+    e = ents[int(rng.integers(len(ents)))]
+    return Task(tid, split, "lookup", f"What is {phrase.format(e.name)}?", str(e.facts[attr]),
+                [("search", search_query(phrase, e.name))], [(e.name, e.facts[attr])],
+                [rephrasings(phrase, e.name)])
+
+
+def combo_task(rng: np.random.Generator, tid: str, split: str,
+               pool: dict[str, list[Entity]]) -> Task:
+    """One fact of two entities, added or subtracted (``combo``)."""
+    attr, (etype, phrase, _) = _pick_attr(rng)
+    ents = pool[etype]
+    i1, i2 = rng.choice(len(ents), size=2, replace=False)
+    x, y = ents[int(i1)], ents[int(i2)]
+    op, word = ("+", "plus") if rng.random() < 0.5 else ("-", "minus")
+    a, b = x.facts[attr], y.facts[attr]
+    question = f"What is {phrase.format(x.name)} {word} {phrase.format(y.name)}?"
+    calls = [("search", search_query(phrase, x.name)), ("search", search_query(phrase, y.name)),
+             ("python", f"print({a}{op}{b})")]
+    return Task(tid, split, "combo", question, str(a + b if op == "+" else a - b), calls,
+                [(x.name, a), (y.name, b)],
+                [rephrasings(phrase, x.name), rephrasings(phrase, y.name)])
+
+
+def arith_task(rng: np.random.Generator, tid: str, split: str, seen: set) -> Task:
+    question, code, answer = _arith(rng, split, seen)
+    return Task(tid, split, "arith", question, answer, [("python", code)])
+
+
 def make_tasks(spec: SuiteSpec, split: str, n: int | None = None) -> list[Task]:
     """``n`` tasks (default: the spec's count) of one split, kinds in round-robin order so
     every prefix is balanced."""
+    _not_hard(spec, "make_tasks")
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     n = spec.count(split) if n is None else n
     rng = np.random.default_rng([spec.seed, 1 + SPLITS.index(split)])
-    pool: dict[str, list[Entity]] = {"city": [], "person": []}
-    for e in make_entities(spec):
-        if e.split == split:
-            pool[e.type].append(e)
-    if min(len(p) for p in pool.values()) < 2:
-        raise ValueError(f"split {split}: too few entities (spec.entities={spec.entities})")
+    pool = split_pools(make_entities(spec), split)
     seen: set = set()
     tasks = []
     for i in range(n):
         kind, tid = KINDS[i % len(KINDS)], f"{split}-{i:05d}"
         if kind == "arith":
-            question, code, answer = _arith(rng, split, seen)
-            tasks.append(Task(tid, split, kind, question, answer, [("python", code)]))
-            continue
-        attr, (etype, phrase, _) = _pick_attr(rng)
-        ents = pool[etype]
-        if kind == "lookup":
-            e = ents[int(rng.integers(len(ents)))]
-            tasks.append(Task(tid, split, kind, f"What is {phrase.format(e.name)}?",
-                              str(e.facts[attr]), [("search", _query(phrase, e.name))],
-                              [(e.name, e.facts[attr])], [rephrasings(phrase, e.name)]))
-            continue
-        i1, i2 = rng.choice(len(ents), size=2, replace=False)
-        x, y = ents[int(i1)], ents[int(i2)]
-        op, word = ("+", "plus") if rng.random() < 0.5 else ("-", "minus")
-        a, b = x.facts[attr], y.facts[attr]
-        question = f"What is {phrase.format(x.name)} {word} {phrase.format(y.name)}?"
-        calls = [("search", _query(phrase, x.name)), ("search", _query(phrase, y.name)),
-                 ("python", f"print({a}{op}{b})")]
-        tasks.append(Task(tid, split, kind, question, str(a + b if op == "+" else a - b), calls,
-                          [(x.name, a), (y.name, b)],
-                          [rephrasings(phrase, x.name), rephrasings(phrase, y.name)]))
+            tasks.append(arith_task(rng, tid, split, seen))
+        elif kind == "lookup":
+            tasks.append(lookup_task(rng, tid, split, pool))
+        else:
+            tasks.append(combo_task(rng, tid, split, pool))
     return tasks
 
 
 # ----------------------------------------------------------------------------- outcomes
 
-_ASKED = re.compile(r"(?:of|by) ([A-Z][a-z]+ [A-Z][a-z]+)")
+_ASKED = re.compile(r"(?:of|by) ([A-Z][a-z]+ (?:[A-Z]\. )?[A-Z][a-z]+)")  # hard: "Vel T. Bira"
 _SEARCH_RESULT = re.compile(r"</search>\s*<result>(.*?)</result>", re.S)
 _TITLE = re.compile(r"\s*Doc 1\(Title: ([^)]*)\)")
 

@@ -74,6 +74,40 @@ class ModelConfig(_Section):
     )
 
 
+# the synthetic suite's task kinds and the harder suite's starting mix: their owner is
+# toolenv/tasks/suite.py (ALL_KINDS, HARD_MIX), which the core may not import; a test
+# holds the two equal (tests/unit/test_hard_suite.py)
+SUITE_KINDS = ("arith", "lookup", "combo", "chain", "chain3", "word", "check")
+HARD_MIX = {"arith": 0.0, "lookup": 1.0, "combo": 1.0, "chain": 2.0, "chain3": 1.0,
+            "word": 2.0, "check": 2.0}
+
+
+class HardSuiteConfig(_Section):
+    """The harder synthetic suite (toolenv/tasks/hard.py): look-ups through a writer's
+    birthplace or teacher, word problems, comparisons, near-namesakes BM25 cannot tell
+    apart. Its dials set how hard it is; off, the default suite is built, unchanged."""
+
+    enabled: bool = Field(False, description="build the harder suite instead of the default")
+    mix: dict[str, float] = Field(
+        default_factory=lambda: dict(HARD_MIX), description="relative share of each task kind "
+        f"({', '.join(SUITE_KINDS)}; a kind not given keeps its starting share, 0 drops it): "
+        "chain is 2 searches, chain3 3, check 2 and python, word 1 python call")
+    namesakes: float = Field(
+        0.3, ge=0, le=1, description="share of entities given a near-namesake ('Vel T. Bira' "
+        "next to 'Vel Bira'), which BM25 ranks first for about half their queries; above 0 "
+        "it needs tools.search.topk >= 2")
+
+    @field_validator("mix")
+    @classmethod
+    def _kinds(cls, mix: dict[str, float]) -> dict[str, float]:
+        unknown = sorted(set(mix) - set(SUITE_KINDS))
+        if unknown:
+            raise ValueError(f"unknown task kind(s) {unknown}: the kinds are {SUITE_KINDS}")
+        if any(w < 0 for w in mix.values()) or sum({**HARD_MIX, **mix}.values()) <= 0:
+            raise ValueError(f"{mix}: weights must be >= 0 and not all 0")
+        return {**HARD_MIX, **mix}  # a dotted override of one kind keeps the others
+
+
 class PipelineConfig(_Section):
     enabled: bool = Field(
         False, description="run the whole job around RL: build the synthetic suite and the "
@@ -100,6 +134,9 @@ class PipelineConfig(_Section):
     suite_recover: float = Field(
         0.5, ge=0, le=1, description="noisy suite: share of SFT traces that check a wrong tool "
         "result (search again, run the snippet again) instead of answering with it")
+    suite_hard: HardSuiteConfig = Field(
+        default_factory=HardSuiteConfig, description="the harder suite and its dials "
+        "(pipeline.suite_hard.enabled=true; docs/design.md 'The harder suite')")
     sft: bool = Field(True, description="cold-start SFT on the suite's traces before RL")
     sft_time_s: float = Field(150.0, ge=0, description="SFT training seconds (0: use sft_steps)")
     sft_steps: int = Field(0, ge=0, description="SFT optimizer steps (0: use sft_time_s)")
