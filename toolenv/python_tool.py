@@ -42,6 +42,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from toolenv.base import ToolResult
+from toolenv.fork_server import ForkServer
 from toolenv.pool import READY, PoolEmpty, PoolError, WarmPool, WarmSandbox
 from toolenv.sandbox import Limits, Sandbox, SandboxRun, default_hidden
 from toolenv.session import PySession, SessionManager, canonical_code
@@ -94,14 +95,8 @@ _RUNNER = _RUNNER_DEF + "_arpo_run()\n"
 # prints nothing). The parent, the sandbox's init, only waits and exits as the child did
 # (with its exit code, or 128 + the signal that killed it), so the sandbox ends when the
 # child does.
-_WARM_RUNNER = _RUNNER_DEF + r"""
+_EXIT_DEF = r"""
 import atexit, os, select, signal
-for _name in sys.argv[1:]:
-    try:
-        __import__(_name)
-    except Exception:
-        pass  # not installed here: the snippet's own import will say so
-sys.argv[1:] = []
 def _arpo_exit(code):
     if code is None:
         code = 0
@@ -117,6 +112,14 @@ def _arpo_exit(code):
         except Exception:
             pass
     os._exit(code & 255)
+"""
+_WARM_RUNNER = _RUNNER_DEF + _EXIT_DEF + r"""
+for _name in sys.argv[1:]:
+    try:
+        __import__(_name)
+    except Exception:
+        pass  # not installed here: the snippet's own import will say so
+sys.argv[1:] = []
 # The sandbox's init (bwrap --as-pid-1) must not be killable by the snippet (init gets no
 # signal it has no handler for; Python's SIGINT handler and the others are set to ignore).
 # They are ignored before the fork, so no snippet ever runs while its parent still has the
@@ -211,7 +214,8 @@ class PythonTool:
                    wall_timeout_s=max(cfg.timeout_s - 0.25, 0.9 * cfg.timeout_s),
                    allow_unsandboxed=py.allow_unsandboxed,
                    hide=[run_dir, cache_dir],  # checkpoints, logs and cached results
-                   pool=py.pool, preload=py.preload, state=py.state, **session)
+                   pool=py.pool, preload=py.preload, state=py.state,
+                   holder=py.state == "stateless" and py.holder, **session)
 
     def __init__(self, cpu_s: int = 5, memory_mb: int = 512, max_procs: int = 32,
                  max_output: int = 4096, wall_timeout_s: float = 10.0,
@@ -219,7 +223,7 @@ class PythonTool:
                  isolation: str = "auto", hide: Sequence[str | Path] = (), pool: int = 0,
                  preload: Sequence[str] = ("math",), state: str = "stateless",
                  max_sessions: int = 32, session_idle_s: float = 120.0,
-                 checkpoint_mb: int = 64):
+                 checkpoint_mb: int = 64, holder: bool = False):
         for key, value in (("cpu_s", cpu_s), ("memory_mb", memory_mb),
                            ("max_procs", max_procs), ("max_output", max_output),
                            ("wall_timeout_s", wall_timeout_s)):
@@ -255,6 +259,9 @@ class PythonTool:
                 checkpoint_bytes=checkpoint_mb << 20, wall_timeout_s=wall_timeout_s,
                 cap=4 * max_output)
             pool = 0  # the pool holds session sandboxes; a call without a session runs cold
+        self.forks = ForkServer.of(self.sandbox, self.python, _RUNNER_DEF + _EXIT_DEF,
+                                   self.preload) if holder and not self.stateful else None
+        pool = 0 if self.forks is not None else pool  # a holder's fallback call runs cold
         self.pool = WarmPool(self._spawn_warm, pool) if pool > 0 else None
         self._latencies: deque[float] = deque(maxlen=_WINDOW)
         self._cold_fallbacks = self._cold_overflow = 0
@@ -361,8 +368,11 @@ class PythonTool:
     async def call(self, args: str) -> ToolResult:
         start = time.perf_counter()
         code, cap = args.encode("utf-8"), 4 * self.max_output
+        run = None
+        if self.forks is not None:  # None back: no holder, or its setup failed: cold
+            run = await self.forks.run(code, self.wall_timeout_s, max_bytes=cap)
         warm = None
-        if self.pool is not None:
+        if run is None and self.pool is not None:
             try:
                 warm = await self.pool.take()
             except PoolEmpty:  # a burst past the pool: this call starts cold
@@ -374,7 +384,7 @@ class PythonTool:
                 run = await warm.run(code, self.wall_timeout_s, max_bytes=cap)
             finally:
                 self.pool.finished()
-        else:
+        elif run is None:
             run = await self.sandbox.run([self.python, "-s", "-u", "-c", _RUNNER], code,
                                          self.wall_timeout_s, max_bytes=cap)
         result = self._result(run)
@@ -387,7 +397,7 @@ class PythonTool:
         sandbox included; cold_fallbacks: calls that started cold because a warm sandbox
         could not be prepared; cold_overflow: calls that started cold because none was
         free (a burst bigger than the pool); pool_*: ``WarmPool.stats`` (without a pool,
-        absent)."""
+        absent); holder_*: ``ForkServer.stats`` (``tools.python.holder``; else absent)."""
         ordered = sorted(self._latencies)
 
         def pct(q: float) -> float:
@@ -397,6 +407,7 @@ class PythonTool:
                "cold_fallbacks": self._cold_fallbacks, "cold_overflow": self._cold_overflow}
         if self.sessions is not None:
             out |= self.sessions.stats()
+        out |= self.forks.stats() if self.forks is not None else {}
         return out | (self.pool.stats() if self.pool is not None else {})
 
     def _session_result(self, reply: Reply) -> ToolResult:
@@ -473,7 +484,8 @@ class PythonTool:
         return f"Killed ({name})"
 
     async def close(self) -> None:
-        """Kill the warm sandboxes not yet used and every live session's sandbox."""
+        """Kill the unused warm sandboxes, the holder and every live session's sandbox."""
+        self.forks is not None and self.forks.close()
         if self.pool is not None:
             await self.pool.close()
         if self.sessions is not None:

@@ -45,7 +45,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from toolenv import seccomp
@@ -152,18 +152,27 @@ class Sandbox:
     # ------------------------------------------------------------------ command lines
 
     def argv(self, command: Sequence[str], uid: int | None,
-             filter_fd: int | None = None) -> list[str]:
+             filter_fd: int | None = None, holder: bool = False) -> list[str]:
         """The full command line for one run (``uid``: the pool uid in setuid mode;
-        ``filter_fd``: the seccomp program's pipe, passed to bwrap)."""
+        ``filter_fd``: the seccomp program's pipe, passed to bwrap). ``holder`` (setuid
+        mode): the command stays root, without rlimits, and keeps the capabilities to
+        make namespaces and mounts; it must drop them itself before running any code
+        (toolenv/fork_child.py, which sets each call's uid and limits)."""
         if self.mode == "none":
             return list(command)  # limits and priority come from preexec_fn
-        inner = [*self._prlimit(), "nice", "-n", str(_NICE)]
+        inner = [] if holder else self._prlimit()
+        inner += ["nice", "-n", str(_NICE)]
         if self.mode == "setuid":
-            inner += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
-                      "--no-new-privs", "--"]
+            if not holder:
+                inner += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
+                          "--no-new-privs", "--"]
             head = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
                     "--unshare-cgroup-try", "--cap-drop", "ALL",
                     "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+            if holder:
+                head += ["--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_NET_ADMIN"]
+        elif holder:
+            raise ValueError("a holder sandbox needs setuid mode")
         else:
             head = ["--unshare-all", "--unshare-user", "--disable-userns",
                     "--uid", str(NOBODY), "--gid", str(NOBODY)]
@@ -276,6 +285,25 @@ class Sandbox:
             raise
         lease.started()
         return proc, lease
+
+    def spawn_holder(self, command: Sequence[str], control: int) -> subprocess.Popen:
+        """Start the stateless tool's holder (toolenv/fork_server.py): setuid mode, the
+        command as the sandbox's init, root with the capabilities to isolate each call it
+        forks, no uid of the pool (each call takes its own), ``control`` (a socket) as its
+        stdin, stdout (stderr joined) a pipe. Killing bwrap's group ends it: no setpriv
+        clears the parent-death signal that ``--die-with-parent`` gives it."""
+        if self.mode != "setuid":
+            raise ValueError("a holder sandbox needs setuid mode")
+        lease = Lease(filter_fd=_filter_fd())
+        try:
+            fds = () if lease.filter_fd is None else (lease.filter_fd,)
+            return subprocess.Popen(
+                replace(self, as_pid_1=True).argv(command, None, lease.filter_fd,
+                                                  holder=True),
+                stdin=control, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                pass_fds=fds, start_new_session=True, env=self._host_env())
+        finally:
+            lease.release()
 
     async def run(self, command: Sequence[str], stdin: bytes, timeout_s: float,
                   max_bytes: int) -> SandboxRun:

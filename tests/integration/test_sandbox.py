@@ -1,8 +1,9 @@
 """The Python tool in the real bubblewrap sandbox: correct answers for honest code, and
 hostile snippets contained within their time bound with the host left unchanged; every
-test runs three times: with a cold sandbox per call (pool 0), with warm sandboxes (pool 2)
-and in session mode (tools.python.state=session: each snippet in a session of its own, on
-session sandboxes from a pool of 2). No call sees another's files, variables, processes or
+test runs four times: with a cold sandbox per call (pool 0), with warm sandboxes (pool 2),
+forked from a holder sandbox (tools.python.holder, toolenv/fork_server.py) and in session
+mode (tools.python.state=session: each snippet in a session of its own, on session
+sandboxes from a pool of 2). No call sees another's files, variables, processes or
 environment, earlier or at once; in session mode neither does a fork of a session see its
 sibling's later state."""
 
@@ -53,13 +54,14 @@ class SessionPerCall:
 
 
 def make(mode: str, **kwargs) -> PythonTool | SessionPerCall:
-    """The tool of a mode: cold (pool 0), pool (2 warm sandboxes) or session."""
+    """The tool of a mode: cold (pool 0), pool (2 warm sandboxes), holder (calls forked
+from a holder sandbox) or session."""
     if mode == "session":
         return SessionPerCall(PythonTool(pool=2, state="session", **kwargs))
-    return PythonTool(pool=2 if mode == "pool" else 0, **kwargs)
+    return PythonTool(pool=2 if mode == "pool" else 0, holder=mode == "holder", **kwargs)
 
 
-@pytest.fixture(scope="module", params=["cold", "pool", "session"])
+@pytest.fixture(scope="module", params=["cold", "pool", "holder", "session"])
 def pool(request) -> str:
     return request.param
 
@@ -73,7 +75,7 @@ def tool(pool) -> Iterator[PythonTool]:
     yield made
     if made.pool is not None:
         made.pool.discard()
-    if isinstance(made, SessionPerCall):
+    if isinstance(made, SessionPerCall) or getattr(made, "forks", None) is not None:
         asyncio.run(made.close())
 
 
@@ -327,7 +329,8 @@ async def test_runner_with_the_real_tool(tmp_path, pool):
     if pool == "session":
         pytest.skip("the runner in session mode: tests/integration/test_python_session.py")
     cfg = ToolsConfig(enabled=["python"], timeout_s=2.0,
-                      python={"max_output": 100, "pool": 2 if pool == "pool" else 0})
+                      python={"max_output": 100, "pool": 2 if pool == "pool" else 0,
+                              "holder": pool == "holder"})
     runner = build_tools(cfg, tmp_path)
     first, again = [await runner.call("python", "print(6*7)\n") for _ in range(2)]
     slow = await runner.call("python", "import time\ntime.sleep(30)")
@@ -342,6 +345,9 @@ async def test_runner_with_the_real_tool(tmp_path, pool):
     assert ("python.pool_taken" in stats) == (pool == "pool")
     if pool == "pool":  # two calls ran the tool, each in its own warm sandbox
         assert stats["python.pool_taken"] == 2 and stats["python.pool_failed"] == 0
+    assert ("python.holder_calls" in stats) == (pool == "holder")
+    if pool == "holder":  # two calls ran the tool, each forked from the holder
+        assert (stats["python.holder_calls"], stats["python.holder_fallbacks"]) == (2, 0)
     await runner.close()
 
 

@@ -134,6 +134,13 @@ _STATE = ("stateless: every python call runs in a fresh sandbox; session: each t
 
 class PythonStateless(_PythonBase):
     state: Literal["stateless"] = Field("stateless", description=_STATE)
+    holder: bool = Field(
+        False, description="fork each call from one prepared holder sandbox per actor, each "
+        "call in namespaces, a /tmp and a uid of its own (toolenv/fork_server.py; setuid "
+        "mode, host root; elsewhere as false): 5x less CPU per call, a burst of 12 at 0.4x "
+        "the pool's p50, a single call 3.7x slower (bench/tools.py --paths warm holder); "
+        "not yet measured in the job, so off by default; false: a sandbox per call, from "
+        "the warm pool (tools.python.pool)")
 
 
 class PythonSession(_PythonBase):
