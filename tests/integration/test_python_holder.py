@@ -21,21 +21,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.integration.test_sandbox import _procs_with
 from toolenv.python_tool import PythonTool
 from toolenv.uids import UID_POOL_BASE, UID_POOL_SIZE, uid_processes
 
 pytestmark = pytest.mark.integration
-
-
-def _procs_with(marker: str) -> list[int]:
-    found = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            if any(marker in part for part in proc.info["cmdline"] or []):
-                found.append(proc.info["pid"])
-        except psutil.Error:
-            pass
-    return found
 
 
 @pytest.fixture()
